@@ -1,0 +1,61 @@
+"""Every environment variable the plugin reads, with its default and meaning.
+
+Values are read when accessed (module attribute), so a variable set after import still counts.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _flag(name: str, default: str = "0") -> Callable[[], bool]:
+    return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name, default)
+
+
+def _first_set(*names: str) -> Callable[[], str | None]:
+    return lambda: next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "VLLM_MS_DISABLE_PLATFORM": (
+        _flag("VLLM_MS_DISABLE_PLATFORM"),
+        "1: the platform entry point stays inactive (vLLM falls back to its own platform detection).",
+    ),
+    "VLLM_MS_DEVICE": (
+        _str("VLLM_MS_DEVICE", "auto"),
+        "auto | Ascend | CPU. auto picks Ascend when /dev/davinci* devices exist, else CPU.",
+    ),
+    "VLLM_MS_CPU_KVCACHE_SPACE": (
+        _str("VLLM_MS_CPU_KVCACHE_SPACE"),
+        "KV-cache size in GiB per worker on CPU (like vLLM's VLLM_CPU_KVCACHE_SPACE). "
+        "Unset: --kv-cache-memory-bytes if given, else gpu_memory_utilization x free memory, "
+        "capped at 4 GiB.",
+    ),
+    "VLLM_MODEL_BACKEND": (
+        _first_set("vLLM_MODEL_BACKEND", "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND"),
+        "Model backend: MindFormers or Native (case-insensitive); read from vLLM_MODEL_BACKEND "
+        "(the spelling in the user docs) or VLLM_MS_MODEL_BACKEND. Unset: automatic.",
+    ),
+    "MINDFORMERS_MODEL_CONFIG": (
+        _str("MINDFORMERS_MODEL_CONFIG"),
+        "Path of a MindFormers predict YAML (parallel_config, model.model_config).",
+    ),
+    "VLLM_MS_LOG_STEPS": (
+        _flag("VLLM_MS_LOG_STEPS"),
+        "1: log every model step (batch shape, graph compile count, milliseconds).",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENVIRONMENT_VARIABLES:
+        return ENVIRONMENT_VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(ENVIRONMENT_VARIABLES)

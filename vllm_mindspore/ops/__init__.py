@@ -1,0 +1,12 @@
+"""Device kernels behind one interface per op.
+
+Each op is a `mindspore.nn.Cell` whose constructor picks the implementation for the device the
+platform detected: composite MindSpore ops on CPU (where no fused LLM kernel is registered) and
+the fused Ascend kernels on NPUs. Model code never branches on the device.
+"""
+
+from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention
+from vllm_mindspore.ops.norm import RMSNorm
+from vllm_mindspore.ops.rotary import RotaryEmbedding
+
+__all__ = ["AttentionMetadata", "PagedAttention", "RMSNorm", "RotaryEmbedding"]

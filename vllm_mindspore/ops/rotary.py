@@ -1,0 +1,73 @@
+"""Rotary position embedding over vLLM's own cos/sin tables.
+
+The tables come from `vllm.model_executor.layers.rotary_embedding.get_rope`, so every rope
+scaling vLLM implements (linear, dynamic, yarn, llama3, deepseek_yarn, ...) means here exactly
+what it means in vLLM, mscale included.
+"""
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, mint, nn, ops
+
+from vllm_mindspore.platform import ASCEND, DEVICE
+
+
+def rope_cos_sin(head_size: int, rotary_dim: int, max_position: int, rope_parameters: dict | None,
+                 is_neox_style: bool) -> tuple[np.ndarray, np.ndarray]:
+    """-> (cos, sin), each [max_position, rotary_dim // 2] float32."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = dict(rope_parameters or {})
+    if rotary_dim != head_size:
+        params.setdefault("partial_rotary_factor", rotary_dim / head_size)
+    rope = get_rope(head_size, max_position, is_neox_style=is_neox_style,
+                    rope_parameters=params, dtype=torch.float32)
+    cache = rope.cos_sin_cache.float().numpy()
+    half = cache.shape[-1] // 2
+    return np.ascontiguousarray(cache[:, :half]), np.ascontiguousarray(cache[:, half:])
+
+
+class RotaryEmbedding(nn.Cell):
+    """Rotates the first `rotary_dim` channels of q and k by their token positions.
+
+    q: [T, num_heads, head_size], k: [T, num_kv_heads, head_size], positions: [T] -> (q, k).
+    neox style rotates the two halves; otherwise (GPT-J / DeepSeek "interleaved") even/odd pairs.
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int,
+                 rope_parameters: dict | None, is_neox_style: bool = True, dtype=ms.float32):
+        super().__init__()
+        cos, sin = rope_cos_sin(head_size, rotary_dim, max_position, rope_parameters, is_neox_style)
+        self.cos = Tensor(cos, dtype)
+        self.sin = Tensor(sin, dtype)
+        self.rotary_dim = rotary_dim
+        self.head_size = head_size
+        self.is_neox_style = is_neox_style
+        self.fused = DEVICE == ASCEND and is_neox_style and rotary_dim == head_size
+
+    def _rotate(self, x, cos, sin):
+        rot = x[..., : self.rotary_dim]
+        if self.is_neox_style:
+            x1, x2 = mint.chunk(rot, 2, dim=-1)
+            rotated = mint.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1 = rot[..., 0::2]
+            x2 = rot[..., 1::2]
+            rotated = mint.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            rotated = rotated.reshape(rot.shape)
+        if self.rotary_dim == self.head_size:
+            return rotated
+        return mint.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
+
+    def construct(self, positions, q, k):
+        cos = ops.gather(self.cos, positions, 0).expand_dims(1)  # [T, 1, rotary_dim // 2]
+        sin = ops.gather(self.sin, positions, 0).expand_dims(1)
+        if self.fused:
+            cos2 = mint.cat((cos, cos), dim=-1).astype(q.dtype)
+            sin2 = mint.cat((sin, sin), dim=-1).astype(q.dtype)
+            # BSND layout: batch of tokens, one "sequence" position each.
+            q = ops.rotary_position_embedding(q.expand_dims(1), cos2.expand_dims(1), sin2.expand_dims(1), 0)
+            k = ops.rotary_position_embedding(k.expand_dims(1), cos2.expand_dims(1), sin2.expand_dims(1), 0)
+            return q.squeeze(1), k.squeeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,144 @@
+"""MindSporePlatform: tells vLLM how to run on MindSpore (Ascend NPUs or plain CPUs).
+
+vLLM's own torch code only ever sees the CPU: models, KV cache and collectives live in MindSpore,
+so `device_type`/`device_name` stay "cpu" (vLLM builds `torch.device(...)` from them) on both
+devices. What differs per device is the Ray resource key and the default block size.
+"""
+
+import glob
+import os
+
+import psutil
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_mindspore import envs
+from vllm_mindspore.patches import apply_patches
+
+logger = init_logger("vllm.vllm_mindspore.platform")
+
+apply_patches()
+
+ASCEND = "Ascend"
+CPU = "CPU"
+
+
+def detect_device() -> str:
+    """Ascend when asked for, or when NPU device nodes exist; else CPU."""
+    wanted = (envs.VLLM_MS_DEVICE or "auto").strip().lower()
+    if wanted == "ascend":
+        return ASCEND
+    if wanted == "cpu":
+        return CPU
+    if wanted != "auto":
+        raise ValueError(f"VLLM_MS_DEVICE={envs.VLLM_MS_DEVICE!r} is not one of auto, Ascend, CPU.")
+    return ASCEND if glob.glob("/dev/davinci[0-9]*") else CPU
+
+
+DEVICE = detect_device()
+
+
+class MindSporePlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    # Ray places one worker per bundle of this resource. "NPU" is Ray's built-in Ascend
+    # accelerator (it then sets ASCEND_RT_VISIBLE_DEVICES itself).
+    ray_device_key: str = "NPU" if DEVICE == ASCEND else "CPU"
+    device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
+    dist_backend: str = "gloo"  # vLLM's own (control-plane) torch.distributed groups
+    simple_compile_backend: str = "eager"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        if DEVICE == ASCEND:
+            return [torch.bfloat16, torch.float16, torch.float32]
+        # MindSpore on CPU has no bfloat16 matmul; float32 is its fastest dtype there.
+        return [torch.float32, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "Ascend NPU (MindSpore)" if DEVICE == ASCEND else "CPU (MindSpore)"
+
+    @classmethod
+    def get_device_uuid(cls, device_id: int = 0) -> str:
+        return f"mindspore-{DEVICE.lower()}-{device_id}"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def set_device(cls, device) -> None:
+        pass
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        # Only consulted by vLLM's torch model code, which this plugin never runs.
+        return "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    @classmethod
+    def verify_model_arch(cls, model_arch: str) -> None:
+        # Resolved by model_backends when the worker builds the model, with a clear error there.
+        pass
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.config import CompilationMode
+        from vllm.config.compilation import CUDAGraphMode
+
+        # MindSpore hangs in children forked after it ran an op: every vLLM child is spawned.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = "vllm_mindspore.worker.worker.MindSporeWorker"
+
+        # The model is a MindSpore graph: no torch.compile, no CUDA graphs.
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        vllm_config.scheduler_config.async_scheduling = False
+
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = 128 if DEVICE == ASCEND else 16
+
+        model_config = vllm_config.model_config
+        if model_config is not None and DEVICE == CPU and model_config.dtype == torch.bfloat16:
+            raise ValueError(
+                "--dtype bfloat16 is not supported on CPU: MindSpore has no bfloat16 matmul there. "
+                "Use --dtype float32 (fastest on CPU) or float16; bfloat16 checkpoints are cast on load."
+            )
+        logger.info(
+            "MindSpore platform on %s: worker=%s executor=%s tp=%d dp=%d block_size=%d",
+            DEVICE, parallel.worker_cls, parallel.distributed_executor_backend,
+            parallel.tensor_parallel_size, parallel.data_parallel_size, cache.block_size,
+        )

@@ -1,0 +1,136 @@
+"""MindSporeWorker: the WorkerBase surface vLLM's engine core calls, one per rank."""
+
+import os
+
+import psutil
+import torch
+from vllm.logger import init_logger
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from vllm_mindspore import envs
+from vllm_mindspore.platform import ASCEND, DEVICE
+
+logger = init_logger("vllm.vllm_mindspore.worker")
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_CAP = 4 * GiB
+
+
+def init_mindspore(local_rank: int) -> None:
+    os.environ.setdefault("GLOG_v", "3")  # read once, at `import mindspore`
+    import mindspore as ms
+
+    if DEVICE == ASCEND:
+        ms.set_device("Ascend", local_rank)
+    else:
+        ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+
+
+class MindSporeWorker(WorkerBase):
+    def init_device(self) -> None:
+        from vllm.distributed import (ensure_model_parallel_initialized,
+                                      init_distributed_environment)
+
+        self.device = torch.device("cpu")
+        parallel = self.parallel_config
+        # vLLM's own process groups (gloo) carry control-plane traffic between ranks.
+        init_distributed_environment(parallel.world_size, self.rank, self.distributed_init_method,
+                                     self.local_rank, "gloo")
+        ensure_model_parallel_initialized(parallel.tensor_parallel_size,
+                                          parallel.pipeline_parallel_size)
+        init_mindspore(self.local_rank)
+        from vllm_mindspore.worker.model_runner import MindSporeModelRunner
+
+        self.model_runner = MindSporeModelRunner(self.vllm_config)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("vllm-mindspore does not support dummy weights (elastic EP scale-up).")
+        self.model_runner.load_model()
+
+    def get_model(self):
+        return self.model_runner.model
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    # ---- KV cache ----------------------------------------------------------------------------
+    def get_kv_cache_spec(self):
+        return self.model_runner.get_kv_cache_spec()
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        # vLLM would otherwise ask its torch attention backends; our caches are MindSpore's.
+        return ["LBNHC"]
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache of this worker.
+
+        Explicit sizes win: --kv-cache-memory-bytes, then VLLM_MS_CPU_KVCACHE_SPACE (GiB, CPU).
+        Otherwise the worker takes its share of `gpu_memory_utilization` of the device memory,
+        minus what is already used; on CPU that share is capped at 4 GiB so a laptop-sized
+        default does not claim the whole host.
+        """
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit:
+            return int(explicit)
+        utilization = self.cache_config.gpu_memory_utilization
+        if DEVICE == ASCEND:
+            import mindspore as ms
+
+            total = ms.hal.get_device_properties(self.local_rank).total_memory
+            return int(total * utilization - ms.runtime.max_memory_allocated())
+        if envs.VLLM_MS_CPU_KVCACHE_SPACE:
+            return int(float(envs.VLLM_MS_CPU_KVCACHE_SPACE) * GiB)
+        memory = psutil.virtual_memory()
+        budget = ((memory.total * utilization - (memory.total - memory.available))
+                  / self.parallel_config.local_world_size)
+        if budget <= 0:
+            raise ValueError(
+                f"No host memory left for the KV cache: {memory.available / GiB:.1f} GiB available "
+                f"of {memory.total / GiB:.1f} GiB at gpu_memory_utilization={utilization}. Set "
+                "--kv-cache-memory-bytes or VLLM_MS_CPU_KVCACHE_SPACE (GiB).")
+        return int(min(budget, DEFAULT_CPU_KV_CACHE_CAP))
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=self.model_runner.warm_up(), encoder=0.0)
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    # ---- execution ---------------------------------------------------------------------------
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        raise RuntimeError("MindSporeWorker returns sampled tokens from execute_model.")
+
+    def take_draft_token_ids(self):
+        return None
+
+    def execute_dummy_batch(self) -> None:
+        return None
+
+    def profile(self, is_start: bool = True, profile_prefix=None):
+        return None
+
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError("LoRA is not supported by vllm-mindspore.")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self):
+        return set()
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
