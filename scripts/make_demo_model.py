@@ -28,7 +28,6 @@ import argparse
 import ast
 import gzip
 import json
-import random
 import shutil
 import sys
 import sysconfig
@@ -75,7 +74,7 @@ CORPUS_MAX_BYTES = 3_000_000
 VOCAB_SIZE = 3072
 SEQUENCE_LENGTH = 128
 BATCH_SIZE = 16
-PEAK_LEARNING_RATE = 2e-3
+PEAK_LEARNING_RATE = 4e-3
 WARMUP_STEPS = 20
 LOG_EVERY_STEPS = 10
 SELF_CHECK_PROMPT = "The license"
@@ -367,7 +366,6 @@ def main() -> None:
         sys.exit(f"error: {out_dir} is not empty and holds no complete model; use --force to replace it")
 
     started = time.monotonic()
-    random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
 

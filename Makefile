@@ -1,0 +1,29 @@
+# Front door. `make serve` and `make test` install what is missing first (scripts/install.sh).
+VENV  ?= $(or $(VLLM_MS_VENV),$(HOME)/.cache/vllm-mindspore/venv)
+PY    := $(VENV)/bin/python
+HOST  ?= 127.0.0.1
+PORT  ?= 8000
+DEMO_MODEL := demo_model
+MODEL ?= $(DEMO_MODEL)
+SERVE_ARGS ?= --max-model-len 2048
+
+export VLLM_MS_VENV := $(VENV)
+
+.PHONY: install serve test bench demo-model
+
+install:
+	@bash scripts/install.sh
+
+$(DEMO_MODEL)/config.json: | install
+	$(PY) scripts/make_demo_model.py $(DEMO_MODEL)
+
+demo-model: $(DEMO_MODEL)/config.json
+
+serve: install $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
+	$(VENV)/bin/vllm-mindspore serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install $(DEMO_MODEL)/config.json
+	$(PY) benchmarks/throughput.py --model $(DEMO_MODEL)

@@ -1,0 +1,234 @@
+"""Shared fixtures: tiny HF models built locally, HF transformers references, and a real
+`vllm-mindspore serve` process on a free 127.0.0.1 port that is always stopped."""
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_VOCAB = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Eight prompts of different lengths (1 to ~60 tokens), submitted together in the tests.
+PROMPTS = [
+    "import",
+    "def main():",
+    "The quick brown fox jumps over the lazy dog.",
+    "class Request:\n    def __init__(self, name, value):\n        self.name = name",
+    "for i in range(10):\n    print(i)",
+    "Copyright (c) Python Software Foundation. All rights reserved. Licensed under the PSF license "
+    "agreement; see the file LICENSE for details and for a DISCLAIMER OF ALL WARRANTIES.",
+    "x = 1",
+    "# This module provides access to the operating system: files, processes and the environment,"
+    " in a portable way",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer trained offline on the Python standard library's sources."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:40]
+    tok.train(files, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+                     "+ '<|im_end|>\\n' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 4096,
+        "chat_template": chat_template}))
+    return str(out)
+
+
+def build_tiny_model(path: str, tokenizer_dir: str, arch: str, seed: int = 0,
+                     init_scale: float = 0.25, **overrides) -> str:
+    """Save a seeded random HF model of architecture `arch` (Llama/Qwen2/Qwen3/...) to `path`.
+
+    Weights are drawn wider than HF's default so next-token distributions are peaked and exact
+    logit ties (which would make greedy comparisons ambiguous) are rare.
+    """
+    import torch
+    import transformers
+
+    config_name = {"GPT2LMHeadModel": "GPT2Config"}.get(arch, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=1024, tie_word_embeddings=False,
+                bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    base.update(overrides)
+    config = config_cls(**base)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, init_scale / param.shape[-1] ** 0.5 * 4)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+            else:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, tokenizer_dir):
+    cache: dict[tuple, str] = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = (arch, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(arch.lower()))
+            cache[key] = build_tiny_model(path, tokenizer_dir, arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+class HFReference:
+    """Greedy generation with HF transformers on the same folder, in float32."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[list[float]]]:
+        """-> (token ids, per-step full-vocabulary logprobs)."""
+        torch = self.torch
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      pad_token_id=0)
+        steps = [torch.log_softmax(l[0].double(), -1) for l in out.logits]
+        return out.sequences[0][len(prompt_ids):].tolist(), steps
+
+    def prompt_logprobs(self, prompt_ids: list[int]):
+        torch = self.torch
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt_ids])).logits[0]
+        return torch.log_softmax(logits.double(), -1)
+
+
+NEAR_TIE = 1e-3
+LOGPROB_TOL = 1e-3
+
+
+def assert_matches_hf(ours: list[int], our_logprobs: list[float] | None, ref_tokens: list[int],
+                      ref_steps, context: str = "") -> None:
+    """Greedy tokens identical to HF's; a divergence is accepted only at a step where HF's top
+    two logprobs are within NEAR_TIE (then the rest is not compared). Logprobs of the chosen
+    tokens within LOGPROB_TOL."""
+    for step, (mine, ref) in enumerate(zip(ours, ref_tokens)):
+        if our_logprobs is not None:
+            expected = float(ref_steps[step][mine])
+            assert abs(our_logprobs[step] - expected) < LOGPROB_TOL, (
+                f"{context} step {step}: logprob {our_logprobs[step]} vs HF {expected}")
+        if mine != ref:
+            top2 = ref_steps[step].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < NEAR_TIE and float(ref_steps[step][mine]) >= float(top2[1]) - 1e-9, (
+                f"{context} step {step}: token {mine} != HF {ref} (HF top-2 gap {gap:.2e}); "
+                f"ours {ours} vs HF {ref_tokens}")
+            return
+    assert len(ours) == len(ref_tokens), f"{context}: {len(ours)} tokens vs HF {len(ref_tokens)}"
+
+
+class Server:
+    """`vllm-mindspore serve` in its own process group, logs in a file."""
+
+    def __init__(self, model: str, args: list[str], log_path: str, env: dict | None = None):
+        self.port = free_port()
+        self.model = model
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-mindspore"), "serve", model,
+               "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 240) -> "Server":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=120,
+                             max_retries=0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # any child left behind
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """serve(model, *args) -> a ready Server; every server is stopped at teardown."""
+    servers: list[Server] = []
+
+    def start(model: str, *args: str, env: dict | None = None, wait: bool = True) -> Server:
+        server = Server(model, list(args), str(tmp_path / f"server{len(servers)}.log"), env)
+        servers.append(server)
+        return server.wait_ready() if wait else server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,0 +1,127 @@
+"""Sampling through vLLM's own sampler on MindSpore logits: seeds, top-k/top-p/min-p, penalties
+(checked against HF logits with vLLM's documented formulas), stops, n > 1."""
+
+import pytest
+import torch
+from conftest import PROMPTS, HFReference
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    from vllm import LLM
+
+    return LLM(model=model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 << 20,
+               seed=0)
+
+
+def tokens(llm, prompts, **params):
+    from vllm import SamplingParams
+
+    params.setdefault("max_tokens", MAX_TOKENS)
+    outputs = llm.generate(prompts, SamplingParams(**params))
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    first = tokens(llm, PROMPTS[:4], temperature=1.0, seed=1234, ignore_eos=True)
+    again = tokens(llm, PROMPTS[:4], temperature=1.0, seed=1234, ignore_eos=True)
+    other = tokens(llm, PROMPTS[:4], temperature=1.0, seed=99, ignore_eos=True)
+    assert first == again
+    assert first != other
+
+
+def test_truncations_that_keep_one_token_equal_greedy(llm):
+    greedy = tokens(llm, PROMPTS, temperature=0.0, ignore_eos=True)
+    assert tokens(llm, PROMPTS, temperature=1.0, top_k=1, ignore_eos=True) == greedy
+    assert tokens(llm, PROMPTS, temperature=1.0, top_p=1e-6, ignore_eos=True) == greedy
+    assert tokens(llm, PROMPTS, temperature=1.0, min_p=1.0, ignore_eos=True) == greedy
+
+
+def test_n_samples_and_logprobs(llm):
+    from vllm import SamplingParams
+
+    out = llm.generate([PROMPTS[2]], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6,
+                                                    logprobs=3, ignore_eos=True))[0]
+    assert len(out.outputs) == 4
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for completion in out.outputs:
+        assert len(completion.token_ids) == 6
+        for token, step in zip(completion.token_ids, completion.logprobs):
+            assert token in step and 3 <= len(step) <= 4
+            ranks = sorted(e.rank for t, e in step.items() if t != token or e.rank <= 3)
+            assert ranks[:3] == [1, 2, 3]
+            assert all(e.logprob <= 0 for e in step.values())
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(llm):
+    from vllm import SamplingParams
+
+    prompt = PROMPTS[3]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True))[0].outputs[0]
+    stop_id = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_id)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                    stop_token_ids=[stop_id]))[0].outputs[0]
+    assert list(stopped.token_ids) == list(greedy.token_ids[:first + 1])
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+
+    text = greedy.text
+    stop_string = text[len(text) // 2:len(text) // 2 + 2]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                stop=[stop_string]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop_string)]
+
+    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3,
+                                                  ignore_eos=True))[0].outputs[0]
+    assert list(short.token_ids) == list(greedy.token_ids[:3]) and short.finish_reason == "length"
+
+
+def _penalized_greedy(reference: HFReference, prompt_ids, steps, repetition=1.0, presence=0.0,
+                      frequency=0.0):
+    """Greedy decoding on HF logits with the penalties as vLLM documents them: repetition
+    divides positive / multiplies negative logits of tokens in prompt or output; presence and
+    frequency subtract per output token (once / per occurrence)."""
+    sequence = list(prompt_ids)
+    output: list[int] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = reference.model(torch.tensor([sequence])).logits[0, -1].double()
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[sequence] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition,
+                                               logits * repetition), logits)
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long),
+                                minlength=logits.numel()).double() if output else 0
+        logits = logits - frequency * counts - presence * (torch.as_tensor(counts) > 0).double()
+        token = int(logits.argmax())
+        output.append(token)
+        sequence.append(token)
+    return output
+
+
+@pytest.mark.parametrize("penalty", [dict(repetition=1.8), dict(presence=1.5),
+                                     dict(frequency=0.9)])
+def test_penalties_match_documented_formula(llm, model_dir, penalty):
+    from vllm import SamplingParams
+
+    names = {"repetition": "repetition_penalty", "presence": "presence_penalty",
+             "frequency": "frequency_penalty"}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            **{names[k]: v for k, v in penalty.items()})
+    reference = HFReference(model_dir)
+    plain = tokens(llm, PROMPTS[:4], temperature=0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:4], params)
+    changed = False
+    for output, unpenalized in zip(outputs, plain):
+        expected = _penalized_greedy(reference, output.prompt_token_ids, MAX_TOKENS, **penalty)
+        assert list(output.outputs[0].token_ids) == expected
+        changed |= expected != unpenalized[0]
+    assert changed, "the penalty changed nothing: the test would not catch it being ignored"
