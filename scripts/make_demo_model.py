@@ -13,7 +13,7 @@ Steps:
      generate a sample as a self-check, then move the folder into place atomically.
 
 Usage:
-  python scripts/make_demo_model.py OUT_DIR [--force] [--train-seconds N] [--seed S]
+  python scripts/make_demo_model.py OUT_DIR [--force] [--train-steps N] [--seed S]
 
 Nothing is ever downloaded: ``HF_HUB_OFFLINE`` is forced on and every load is local-only.
 """
@@ -261,23 +261,22 @@ def token_stream(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train(model: Qwen2ForCausalLM, tokens: torch.Tensor, seconds: float, seed: int) -> float:
-    """Train on random windows of ``tokens`` for ``seconds``; return the mean loss of the last steps.
+def train(model: Qwen2ForCausalLM, tokens: torch.Tensor, steps: int, seed: int) -> float:
+    """Train on random windows of ``tokens`` for ``steps``; return the mean loss of the last steps.
 
-    The learning rate warms up linearly, then decays linearly with the elapsed share of the
-    time budget. Given the seed, batches and updates are reproducible; only how many steps
-    fit into the budget depends on the machine.
+    The learning rate warms up linearly, then decays linearly over the steps. Given the seed,
+    the result does not depend on how busy the machine is (only how long it takes).
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LEARNING_RATE, weight_decay=0.1)
     batch_sampler = torch.Generator().manual_seed(seed)
     window = SEQUENCE_LENGTH + 1
     model.train()
     started = time.monotonic()
-    step = 0
     recent_losses: list[float] = []
-    while (elapsed := time.monotonic() - started) < seconds:
+    for step in range(steps):
+        elapsed = time.monotonic() - started
         warmup = min(1.0, (step + 1) / WARMUP_STEPS)
-        decay = max(0.05, 1.0 - elapsed / seconds)
+        decay = max(0.05, 1.0 - step / steps)
         for group in optimizer.param_groups:
             group["lr"] = PEAK_LEARNING_RATE * warmup * decay
 
@@ -289,13 +288,12 @@ def train(model: Qwen2ForCausalLM, tokens: torch.Tensor, seconds: float, seed: i
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-        step += 1
         recent_losses = recent_losses[-(LOG_EVERY_STEPS - 1) :] + [loss.item()]
-        if step % LOG_EVERY_STEPS == 0:
-            print(f"  step {step:4d}  loss {mean(recent_losses):.3f}  ({elapsed:.0f}s)", flush=True)
+        if (step + 1) % LOG_EVERY_STEPS == 0:
+            print(f"  step {step + 1:4d}  loss {mean(recent_losses):.3f}  ({elapsed:.0f}s)", flush=True)
     model.eval()
     final_loss = mean(recent_losses) if recent_losses else float("nan")
-    print(f"trained {step} steps, final loss {final_loss:.3f} (mean of the last {len(recent_losses)} steps)")
+    print(f"trained {steps} steps, final loss {final_loss:.3f} (mean of the last {len(recent_losses)} steps)")
     return final_loss
 
 
@@ -351,7 +349,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="folder to write the model into")
     parser.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR holds a model")
-    parser.add_argument("--train-seconds", type=float, default=90.0, help="training time budget")
+    parser.add_argument("--train-steps", type=int, default=300,
+                        help="optimizer steps (about 90 s on 2 idle cores)")
     parser.add_argument("--seed", type=int, default=0, help="seed for initialisation and batches")
     return parser.parse_args()
 
@@ -377,8 +376,8 @@ def main() -> None:
 
     model = build_model(tokenizer)
     parameter_count = sum(parameter.numel() for parameter in model.parameters())
-    print(f"model: {parameter_count / 1e6:.2f}M parameters; training for {args.train_seconds:g}s")
-    train(model, tokens, args.train_seconds, args.seed)
+    print(f"model: {parameter_count / 1e6:.2f}M parameters; training for {args.train_steps} steps")
+    train(model, tokens, args.train_steps, args.seed)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))

@@ -67,8 +67,10 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def build_tiny_model(path: str, tokenizer_dir: str, arch: str, seed: int = 0,
-                     init_scale: float = 0.25, **overrides) -> str:
-    """Save a seeded random HF model of architecture `arch` (Llama/Qwen2/Qwen3/...) to `path`.
+                     init_scale: float = 0.25, save_dtype: str = "float32",
+                     max_shard_size: str | None = None, **overrides) -> str:
+    """Save a seeded random HF model of architecture `arch` (Llama/Qwen2/Qwen3/...) to `path`,
+    as `save_dtype` safetensors (sharded with an index when `max_shard_size` is given).
 
     Weights are drawn wider than HF's default so next-token distributions are peaked and exact
     logit ties (which would make greedy comparisons ambiguous) are rare.
@@ -94,7 +96,8 @@ def build_tiny_model(path: str, tokenizer_dir: str, arch: str, seed: int = 0,
                 param.uniform_(0.8, 1.2)
             else:
                 param.normal_(0.0, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, save_dtype)).save_pretrained(
+        path, safe_serialization=True, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tokenizer_dir, name), path)
     return path

@@ -14,6 +14,8 @@ MODELS = {
     # Qwen2 (q/k/v bias) with tied embeddings, head_dim != hidden / heads, linear rope scaling.
     "qwen2-tied-linear-rope": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, head_dim=24,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    # A bfloat16 checkpoint in several shards with an index: cast to float32 on load.
+    "qwen2-bf16-sharded": ("Qwen2ForCausalLM", dict(save_dtype="bfloat16", max_shard_size="40KB")),
     # Qwen3 (q/k norm) with YaRN scaling and 3 layers.
     "qwen3-yarn": ("Qwen3ForCausalLM", dict(num_hidden_layers=3, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -84,3 +86,20 @@ def test_prompt_logprobs_match_hf(tiny_model_factory):
             top = int(ref[pos - 1].argmax())
             assert any(entry.rank == 1 for entry in step.values())
             assert abs(max(e.logprob for e in step.values()) - float(ref[pos - 1][top])) < 1e-3
+
+
+def test_float16_compute_is_close_to_hf(tiny_model_factory):
+    """--dtype float16 on CPU: first tokens agree with HF float32 (outside near ties) and
+    logprobs stay within float16 accuracy."""
+    from vllm import SamplingParams
+
+    model_dir = tiny_model_factory("LlamaForCausalLM")
+    llm = make_llm(model_dir, dtype="float16")
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, logprobs=1))
+    reference = HFReference(model_dir)
+    for output in outputs:
+        token = output.outputs[0].token_ids[0]
+        _, ref_steps = reference.greedy(list(output.prompt_token_ids), 1)
+        top2 = ref_steps[0].topk(2)
+        assert token == int(top2.indices[0]) or float(top2.values[0] - top2.values[1]) < 2e-2
+        assert abs(output.outputs[0].logprobs[0][token].logprob - float(ref_steps[0][token])) < 3e-2
