@@ -113,8 +113,13 @@ class PagedAttention(nn.Cell):
 
         num_reqs, max_query = query_index.shape
         num_ctx_blocks = block_tables.shape[1]
-        keys = ops.gather(key_cache.reshape(-1, kvh, bs, self.head_size), block_tables, 0)
-        values = ops.gather(value_cache.reshape(-1, kvh, bs, self.v_head_size), block_tables, 0)
+        # Read: gather the context rows straight from the flat cache (a reshape of the cache
+        # Parameter would copy all of it every layer).
+        context_rows = (block_tables.reshape(num_reqs, num_ctx_blocks, 1, 1) * (kvh * bs)
+                        + head_rows.reshape(1, 1, kvh, 1)
+                        + ops.arange(0, bs, dtype=ms.int32).reshape(1, 1, 1, bs))
+        keys = ops.gather(key_cache, context_rows, 0)  # [B, NB, KVH, bs, D]
+        values = ops.gather(value_cache, context_rows, 0)
         # [B, Q, KVH, G, D] -> [B, 1, KVH, G * Q, D], broadcast over the context blocks.
         queries = ops.gather(q, query_index.reshape(-1), 0).reshape(
             num_reqs, max_query, kvh, group, self.head_size)
