@@ -197,7 +197,6 @@ class Server:
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
-        self.log.flush()
         with open(self.log_path, "rb") as f:
             return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
 

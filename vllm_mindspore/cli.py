@@ -1,5 +1,5 @@
 """`vllm-mindspore`: vLLM's own command line (serve, chat, complete, bench, ...) with this
-plugin's environment defaults applied first."""
+plugin's environment defaults applied first, plus `vllm-mindspore models` (what is supported)."""
 
 import os
 import sys
@@ -13,6 +13,13 @@ def set_env_defaults() -> None:
 
 def main() -> None:
     set_env_defaults()
+    if sys.argv[1:2] == ["models"]:
+        from model_backends import describe_registry, select_backend
+
+        print(describe_registry())
+        backend = select_backend()
+        print(f"\nselected backend: {backend.name} ({backend.reason})")
+        return
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm-mindspore"

@@ -109,14 +109,48 @@ class MindSporePlatform(Platform):
         return False
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """With a MindFormers YAML, its parallel_config (and block_size) become the CLI's
+        defaults, so an explicit flag such as --tensor-parallel-size overrides model_parallel."""
+        if parser is None or not envs.MINDFORMERS_MODEL_CONFIG:
+            return
+        from model_backends import MINDFORMERS, select_backend
+        from model_backends.mindformers import CLI_DEFAULTS_APPLIED_ENV, load_yaml
+        from vllm_mindspore.config import parser_defaults
+
+        if select_backend().name != MINDFORMERS:
+            return
+        # vLLM calls this at the end of EngineArgs.add_cli_args with the parser it filled.
+        parser.set_defaults(**parser_defaults(load_yaml()))
+        os.environ[CLI_DEFAULTS_APPLIED_ENV] = "1"
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode
         from vllm.config.compilation import CUDAGraphMode
+
+        from model_backends import MINDFORMERS, select_backend
+
+        backend = select_backend()
+        logger.info("Model backend: %s (%s)", backend.name, backend.reason)
+        if backend.name == MINDFORMERS:
+            from model_backends.mindformers import CLI_DEFAULTS_APPLIED_ENV, configure
+
+            configure(vllm_config, logger, os.environ.get(CLI_DEFAULTS_APPLIED_ENV) == "1")
+        elif envs.MINDFORMERS_MODEL_CONFIG:
+            logger.warning("MINDFORMERS_MODEL_CONFIG is ignored: the %s backend was chosen (%s).",
+                           backend.name, backend.reason)
 
         # MindSpore hangs in children forked after it ran an op: every vLLM child is spawned.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
         parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size}: vllm-mindspore does not shard models across "
+                "processes yet. Run with --tensor-parallel-size 1 (and --data-parallel-size N to "
+                "use more processes).")
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_mindspore.worker.worker.MindSporeWorker"
 

@@ -22,7 +22,7 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from model_backends import resolve_model_class
+from model_backends import resolve_model_class, select_backend
 from model_backends.native.weights import load_checkpoint
 from vllm_mindspore import envs
 from vllm_mindspore.ops import AttentionMetadata
@@ -84,14 +84,16 @@ class MindSporeModelRunner:
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> None:
         hf_config = self.model_config.hf_config
-        model_cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []))
+        backend = select_backend()
+        model_cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []),
+                                        backend.name)
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):  # vLLM's rope tables read it
             self.model = model_cls(self.model_config.hf_text_config, self.block_size, self.dtype)
         load_checkpoint(self.model, self.model_config.model, self.model.checkpoint_name_to_param)
         self.model.set_inputs(*self.model.dynamic_inputs())
-        logger.info("Built %s (%s) and loaded its weights in %.2f s", model_cls.__name__,
-                    self.dtype, time.perf_counter() - start)
+        logger.info("Built %s (%s backend, %s) and loaded its weights in %.2f s",
+                    model_cls.__name__, backend.name, self.dtype, time.perf_counter() - start)
 
     def get_kv_cache_spec(self):
         return self.model.kv_cache_spec(self.block_size, self.model_config.dtype)

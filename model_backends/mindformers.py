@@ -1,0 +1,38 @@
+"""The MindFormers backend's configuration step: a MindFormers predict YAML applied to vLLM's config.
+
+Runs in `MindSporePlatform.check_and_update_config`, i.e. in every vLLM process before any worker
+starts, so a bad YAML or a YAML that contradicts the model folder fails early with a clear error.
+"""
+
+import logging
+
+from vllm_mindspore import envs
+from vllm_mindspore.config import (apply_to_vllm_config, cross_check, load_mindformers_config,
+                                   model_config_overrides)
+
+# Set by the platform when the YAML's parallel sizes became the CLI parser's defaults; inherited
+# by the engine-core and worker processes, which never see the parser.
+CLI_DEFAULTS_APPLIED_ENV = "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED"
+
+
+def load_yaml():
+    path = envs.MINDFORMERS_MODEL_CONFIG
+    if not path:
+        raise ValueError("vLLM_MODEL_BACKEND=MindFormers needs MINDFORMERS_MODEL_CONFIG: the path "
+                         "of a MindFormers predict YAML (see yaml_configs/).")
+    return load_mindformers_config(path, origin="MINDFORMERS_MODEL_CONFIG")
+
+
+def configure(vllm_config, log: logging.Logger, cli_defaults_applied: bool) -> None:
+    """Apply the YAML: parallel sizes and block size (CLI wins), model fields cross-checked
+    against config.json and filled in where config.json lacks them."""
+    cfg = load_yaml()
+    apply_to_vllm_config(cfg, vllm_config, log, cli_defaults_applied)
+    hf_config = vllm_config.model_config.hf_text_config
+    missing = cross_check(model_config_overrides(cfg), hf_config.to_dict())
+    for key, value in missing.items():
+        setattr(hf_config, key, value)
+    log.info("MindFormers backend: %s applied (%d model field(s) filled from it: %s). The "
+             "mindformers package is not used: the architecture is built from vllm-mindspore's "
+             "native MindSpore implementation, configured from the YAML.", cfg.path, len(missing),
+             ", ".join(sorted(missing)) or "none")

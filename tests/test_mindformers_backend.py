@@ -1,0 +1,77 @@
+"""The MindFormers backend end to end: `vLLM_MODEL_BACKEND=MindFormers` plus a YAML from
+yaml_configs/ serves the same greedy tokens as the Native backend; YAML parallel settings are
+overridden by the CLI, and bad YAMLs stop the server before any worker starts."""
+
+import os
+
+import pytest
+from conftest import PROMPTS, ROOT
+
+SMALL = os.path.join(ROOT, "yaml_configs", "small")
+ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(16 << 20))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_model_factory):
+    return tiny_model_factory("Qwen2ForCausalLM")  # the shape of predict_qwen2_tiny.yaml
+
+
+def greedy_tokens(server, model):
+    client = server.client()
+    return [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True}
+                                      ).choices[0].token_ids for p in PROMPTS]
+
+
+def mindformers_env(yaml_name):
+    return {"vLLM_MODEL_BACKEND": "MindFormers",
+            "MINDFORMERS_MODEL_CONFIG": os.path.join(SMALL, yaml_name)}
+
+
+def test_mindformers_backend_serves_native_tokens(serve, qwen2):
+    native = serve(qwen2, *ARGS, env={"vLLM_MODEL_BACKEND": "native"})
+    expected = greedy_tokens(native, qwen2)
+    native.stop()
+    assert "Model backend: Native (vLLM_MODEL_BACKEND=native)" in native.log_tail(100000)
+
+    server = serve(qwen2, *ARGS, env=mindformers_env("predict_qwen2_tiny.yaml"))
+    assert greedy_tokens(server, qwen2) == expected
+    log = server.log_tail(100000)
+    assert "Model backend: MindFormers (vLLM_MODEL_BACKEND=MindFormers)" in log
+    assert "native MindSpore implementation, configured from the YAML" in log
+    assert "block_size=16" in log
+
+
+def test_cli_tensor_parallel_size_overrides_model_parallel(serve, qwen2):
+    """predict_qwen2_tiny_tp2.yaml sets model_parallel: 2; --tensor-parallel-size 1 wins."""
+    server = serve(qwen2, *ARGS, "--tensor-parallel-size", "1",
+                   env=mindformers_env("predict_qwen2_tiny_tp2.yaml"))
+    assert len(greedy_tokens(server, qwen2)[0]) == 8
+    assert ("tensor_parallel_size=1 (given explicitly) overrides parallel_config.model_parallel=2"
+            in server.log_tail(100000))
+
+
+@pytest.mark.parametrize("yaml_text, expected", [
+    ("parallel_config:\n  data_parallel: 1\n  model_parallel: 2\n  expert_parallel: 4\n",
+     "is not divisible by expert_parallel"),
+    ("parallel_config:\n  pipeline_stage: 2\n", "pipeline parallelism is not supported"),
+    ("model:\n  model_config:\n    hidden_size: 96\n",
+     "model.model_config.hidden_size = 96 but config.json has hidden_size = 64"),
+    ("base_config: missing_base.yaml\n", "missing_base.yaml"),
+])
+def test_bad_yaml_stops_before_workers(serve, qwen2, tmp_path, yaml_text, expected):
+    path = tmp_path / "predict_bad.yaml"
+    path.write_text(yaml_text)
+    server = serve(qwen2, *ARGS, env={"vLLM_MODEL_BACKEND": "MindFormers",
+                                      "MINDFORMERS_MODEL_CONFIG": str(path)}, wait=False)
+    server.proc.wait(timeout=120)
+    log = server.log_tail(100000)
+    assert server.proc.returncode != 0 and expected in log, log[-3000:]
+    assert "Loaded" not in log and "Compiled the model graph" not in log
+
+
+def test_unknown_backend_is_rejected(serve, qwen2):
+    server = serve(qwen2, *ARGS, env={"vLLM_MODEL_BACKEND": "Torch"}, wait=False)
+    server.proc.wait(timeout=120)
+    assert server.proc.returncode != 0
+    assert "valid values: Native, MindFormers" in server.log_tail(100000)
