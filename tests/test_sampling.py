@@ -17,8 +17,10 @@ def model_dir(tiny_model_factory):
 def llm(model_dir):
     from vllm import LLM
 
-    return LLM(model=model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 << 20,
-               seed=0)
+    llm = LLM(model=model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 << 20,
+              seed=0)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
 
 
 def tokens(llm, prompts, **params):
