@@ -113,30 +113,29 @@ class PagedAttention(nn.Cell):
 
         num_reqs, max_query = query_index.shape
         num_ctx_blocks = block_tables.shape[1]
-        # Read: gather the context rows straight from the flat cache (a reshape of the cache
-        # Parameter would copy all of it every layer).
-        context_rows = (block_tables.reshape(num_reqs, num_ctx_blocks, 1, 1) * (kvh * bs)
-                        + head_rows.reshape(1, 1, kvh, 1)
+        context = num_ctx_blocks * bs
+        # Read: gather each request's context rows straight from the flat cache, ordered
+        # [B, KVH, NB, bs] so the result is already [B, KVH, context, D] (a reshape of the cache
+        # Parameter would copy all of it every layer; a transpose would copy the context).
+        context_rows = (block_tables.reshape(num_reqs, 1, num_ctx_blocks, 1) * (kvh * bs)
+                        + head_rows.reshape(1, kvh, 1, 1)
                         + ops.arange(0, bs, dtype=ms.int32).reshape(1, 1, 1, bs))
-        keys = ops.gather(key_cache, context_rows, 0)  # [B, NB, KVH, bs, D]
-        values = ops.gather(value_cache, context_rows, 0)
-        # [B, Q, KVH, G, D] -> [B, 1, KVH, G * Q, D], broadcast over the context blocks.
+        keys = ops.gather(key_cache, context_rows, 0).reshape(num_reqs, kvh, context,
+                                                                self.head_size)
+        values = ops.gather(value_cache, context_rows, 0).reshape(num_reqs, kvh, context,
+                                                                  self.v_head_size)
+        # Queries padded per request: [B, Q, KVH, G, D] -> [B, KVH, G * Q, D].
         queries = ops.gather(q, query_index.reshape(-1), 0).reshape(
             num_reqs, max_query, kvh, group, self.head_size)
-        queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_reqs, 1, kvh, group * max_query,
+        queries = queries.transpose(0, 2, 3, 1, 4).reshape(num_reqs, kvh, group * max_query,
                                                             self.head_size)
-        queries = ops.broadcast_to(queries, (num_reqs, num_ctx_blocks, kvh, group * max_query,
-                                             self.head_size))
-        scores = self.bmm_qk(queries, keys).astype(ms.float32) * self.scale  # [B, NB, KVH, GQ, bs]
-        scores = scores.transpose(0, 2, 3, 1, 4).reshape(num_reqs, kvh, group, max_query,
-                                                          num_ctx_blocks * bs)
-        context_positions = ops.arange(0, num_ctx_blocks * bs, dtype=ms.int32).reshape(1, 1, 1, 1, -1)
+        scores = self.bmm_qk(queries, keys).astype(ms.float32) * self.scale  # [B, KVH, GQ, ctx]
+        scores = scores.reshape(num_reqs, kvh, group, max_query, context)
+        context_positions = ops.arange(0, context, dtype=ms.int32).reshape(1, 1, 1, 1, -1)
         visible = context_positions <= query_positions.reshape(num_reqs, 1, 1, max_query, 1)
         scores = ops.select(visible, scores, ops.full_like(scores, _MASKED))
         probs = ops.softmax(scores, -1).astype(v.dtype)
-        probs = probs.reshape(num_reqs, kvh, group * max_query, num_ctx_blocks, bs)
-        probs = probs.transpose(0, 3, 1, 2, 4)  # [B, NB, KVH, GQ, bs]
-        out = self.bmm_pv(probs, values).sum(axis=1)  # [B, KVH, GQ, Dv]
+        out = self.bmm_pv(probs.reshape(num_reqs, kvh, group * max_query, context), values)
         out = out.reshape(num_reqs, kvh, group, max_query, self.v_head_size).transpose(0, 3, 1, 2, 4)
         out = out.reshape(num_reqs * max_query, self.num_heads * self.v_head_size)
         return ops.gather(out, token_index, 0)
