@@ -39,6 +39,24 @@ def detect_device() -> str:
 DEVICE = detect_device()
 
 
+def visible_npus() -> int:
+    """NPUs this node may use: ASCEND_RT_VISIBLE_DEVICES when set, else the device nodes."""
+    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return len(glob.glob("/dev/davinci[0-9]*"))
+
+
+def check_world_fits_devices(local_world_size: int, device: str, npus: int) -> None:
+    """Each local rank drives one NPU: more ranks than NPUs on a node cannot start."""
+    if device == ASCEND and local_world_size > npus:
+        raise ValueError(
+            f"This node runs {local_world_size} ranks (tensor_parallel_size x "
+            f"data_parallel_size_local) but sees {npus} NPU(s) (ASCEND_RT_VISIBLE_DEVICES / "
+            "/dev/davinci*). Lower the parallel sizes, or spread the ranks over more nodes "
+            "(Ray, or --data-parallel-size-local with --headless secondaries).")
+
+
 class MindSporePlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = "cpu"
@@ -151,6 +169,11 @@ class MindSporePlatform(Platform):
                 f"{parallel.pipeline_parallel_size}: vllm-mindspore does not shard models across "
                 "processes yet. Run with --tensor-parallel-size 1 (and --data-parallel-size N to "
                 "use more processes).")
+        if parallel.distributed_executor_backend != "ray":  # Ray places ranks across nodes
+            check_world_fits_devices(
+                parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+                * (parallel.data_parallel_size_local or 1), DEVICE,
+                visible_npus() if DEVICE == ASCEND else 0)
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_mindspore.worker.worker.MindSporeWorker"
 
