@@ -44,6 +44,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("MINDFORMERS_MODEL_CONFIG"),
         "Path of a MindFormers predict YAML (parallel_config, model.model_config).",
     ),
+    "VLLM_MS_COMM_TIMEOUT": (
+        lambda: float(os.environ.get("VLLM_MS_COMM_TIMEOUT", "120")),
+        "Seconds a rank waits for its peers when MindSpore's collective communication starts "
+        "(tensor/expert parallel) before failing with an error.",
+    ),
     "VLLM_MS_LOG_STEPS": (
         _flag("VLLM_MS_LOG_STEPS"),
         "1: log every model step (batch shape, graph compile count, milliseconds).",

@@ -1,8 +1,52 @@
-"""Building blocks shared by the native models. Parameter names match the HF checkpoints'
-tensor names (`weight`, `bias`), so a model's `parameters_and_names()` is its checkpoint key list."""
+"""Building blocks shared by the native models, tensor-parallel aware.
+
+Parameter names match the HF checkpoints' tensor names (`weight`, `bias`), so a model's
+`parameters_and_names()` is its checkpoint key list. A layer split over tensor-parallel ranks
+declares, per parameter, which slice of the checkpoint tensor this rank holds (`shards`); the
+weight loader reads only that slice from the safetensors file.
+"""
+
+from typing import NamedTuple
 
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
+
+
+class ShardSpec(NamedTuple):
+    """This rank holds checkpoint[start:start + size] along `dim` (the parameter may be longer
+    along `dim`: the rest stays zero, as padding)."""
+
+    dim: int
+    start: int
+    size: int
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """vLLM's tensor-parallel rank and size (0, 1 outside a vLLM worker)."""
+    from vllm.distributed import (get_tensor_model_parallel_rank,
+                                  get_tensor_model_parallel_world_size)
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:
+        return 0, 1
+
+
+def even_split(total: int) -> ShardSpec:
+    """Rank's part of `total` rows split evenly (total must divide by the TP size)."""
+    rank, size = tp_rank_and_size()
+    if total % size:
+        raise ValueError(f"{total} does not split evenly over tensor_parallel_size={size}.")
+    return ShardSpec(0, rank * (total // size), total // size)
+
+
+def collect_shards(model: nn.Cell) -> dict[str, ShardSpec]:
+    """Parameter name -> ShardSpec for every sharded parameter of `model`."""
+    specs = {}
+    for name, cell in model.cells_and_names():
+        for attr, spec in getattr(cell, "shards", {}).items():
+            specs[f"{name}.{attr}" if name else attr] = spec
+    return specs
 
 
 def _empty(shape, dtype) -> Parameter:
@@ -11,13 +55,14 @@ def _empty(shape, dtype) -> Parameter:
 
 
 class Linear(nn.Cell):
-    """y = x @ weight.T (+ bias). x: [T, in_features] -> [T, out_features]."""
+    """y = x @ weight.T (+ bias), replicated on every rank. x: [T, in] -> [T, out]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=ms.float32):
         super().__init__()
         self.weight = _empty((out_features, in_features), dtype)
         self.bias = _empty((out_features,), dtype) if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
+        self.shards: dict[str, ShardSpec] = {}
 
     def construct(self, x):
         y = self.matmul(x, self.weight)
@@ -26,8 +71,41 @@ class Linear(nn.Cell):
         return y
 
 
+class ColumnParallelLinear(Linear):
+    """Output features split over TP ranks: x [T, in] -> this rank's [T, shard.size].
+
+    `shard` picks the rows of the checkpoint weight (default: an even split); K/V projections
+    pass their own when KV heads are replicated over more ranks than there are heads.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=ms.float32,
+                 shard: ShardSpec | None = None):
+        shard = shard or even_split(out_features)
+        super().__init__(in_features, shard.size, bias, dtype)
+        self.shards = {"weight": shard, **({"bias": shard} if bias else {})}
+
+
+class RowParallelLinear(Linear):
+    """Input features split over TP ranks, partial sums all-reduced: x [T, in / tp] -> [T, out]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=ms.float32):
+        shard = even_split(in_features)
+        super().__init__(shard.size, out_features, False, dtype)
+        self.bias = _empty((out_features,), dtype) if bias else None
+        self.shards = {"weight": ShardSpec(1, shard.start, shard.size)}
+        self.all_reduce = ops.AllReduce() if tp_rank_and_size()[1] > 1 else None
+
+    def construct(self, x):
+        y = self.matmul(x, self.weight)
+        if self.all_reduce is not None:
+            y = self.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
 class Embedding(nn.Cell):
-    """ids: [T] -> [T, hidden]."""
+    """ids: [T] -> [T, hidden], the whole table on every rank."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=ms.float32):
         super().__init__()
@@ -35,6 +113,63 @@ class Embedding(nn.Cell):
 
     def construct(self, ids):
         return ops.gather(self.weight, ids, 0)
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, ShardSpec]:
+    """(rows per rank, this rank's ShardSpec) of a vocabulary split over TP ranks."""
+    rank, size = tp_rank_and_size()
+    per_rank = -(-vocab_size // size)
+    start = rank * per_rank
+    return per_rank, ShardSpec(0, start, max(0, min(per_rank, vocab_size - start)))
+
+
+class VocabParallelEmbedding(nn.Cell):
+    """ids: [T] -> [T, hidden]; each TP rank holds ceil(vocab / tp) rows (the last padded)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=ms.float32):
+        super().__init__()
+        per_rank, shard = vocab_shard(num_embeddings)
+        self.vocab_start, self.vocab_rows = shard.start, shard.size
+        self.weight = _empty((per_rank, embedding_dim), dtype)
+        tp_size = tp_rank_and_size()[1]
+        self.shards = {"weight": shard} if tp_size > 1 else {}
+        self.all_reduce = ops.AllReduce() if tp_size > 1 else None
+
+    def construct(self, ids):
+        if self.all_reduce is None:
+            return ops.gather(self.weight, ids, 0)
+        local = ids - self.vocab_start
+        mine = ops.logical_and(local >= 0, local < self.vocab_rows)
+        rows = ops.gather(self.weight, ops.select(mine, local, ops.zeros_like(local)), 0)
+        return self.all_reduce(rows * mine.astype(rows.dtype).expand_dims(1))
+
+
+class ParallelLMHead(nn.Cell):
+    """hidden [N, H] -> logits [N, vocab] in float32; the vocabulary is split like
+    VocabParallelEmbedding (whose weight it reuses when embeddings are tied)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=ms.float32,
+                 tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tied = tied
+        self.tp_size = tp_rank_and_size()[1]
+        if tied is None:
+            per_rank, shard = vocab_shard(vocab_size)
+            self.weight = _empty((per_rank, hidden_size), dtype)
+            self.shards = {"weight": shard} if self.tp_size > 1 else {}
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.all_gather = ops.AllGather() if self.tp_size > 1 else None
+
+    def construct(self, hidden):
+        weight = self.tied.weight if self.tied is not None else self.weight
+        logits = self.matmul(hidden, weight).astype(ms.float32)  # [N, vocab / tp]
+        if self.all_gather is None:
+            return logits[:, : self.vocab_size]
+        num_rows, per_rank = logits.shape
+        logits = self.all_gather(logits).reshape(self.tp_size, num_rows, per_rank)
+        logits = logits.transpose(1, 0, 2).reshape(num_rows, self.tp_size * per_rank)
+        return logits[:, : self.vocab_size]
 
 
 class SiluAndMul(nn.Cell):

@@ -6,7 +6,7 @@ parameter's dtype and handed to MindSpore without another copy.
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import mindspore as ms
 import numpy as np
@@ -14,6 +14,8 @@ import torch
 from mindspore import nn
 from safetensors import safe_open
 from vllm.logger import init_logger
+
+from model_backends.native.layers import ShardSpec, collect_shards
 
 logger = init_logger("vllm.vllm_mindspore.weights")
 
@@ -38,11 +40,18 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def _read(handle, name: str, shard: ShardSpec | None) -> torch.Tensor:
+    """The whole tensor, or only this rank's slice of it (read straight from the file)."""
+    if shard is None:
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    full = part.get_shape()
+    if shard.dim >= len(full) or shard.start + shard.size > full[shard.dim]:
+        raise WeightLoadError(
+            f"Checkpoint tensor {name!r} has shape {tuple(full)}: too small for this rank's "
+            f"slice {shard.start}:{shard.start + shard.size} along dim {shard.dim}.")
+    index = tuple([slice(None)] * shard.dim + [slice(shard.start, shard.start + shard.size)])
+    return part[index]
 
 
 def load_checkpoint(cell: nn.Cell, model_dir: str,
@@ -50,31 +59,27 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
     """Fill every parameter of `cell` from the checkpoint.
 
     `map_name` turns a checkpoint name into a parameter name, or None to skip the tensor
-    (e.g. rotary caches, layers the model does not build). Missing, unexpected and
+    (e.g. rotary caches, layers the model does not build). Tensor-parallel layers declare the
+    slice each rank holds (`collect_shards`); only that slice is read. Missing, unexpected and
     wrongly-shaped tensors are errors that name the tensors involved.
     """
-    params = {p.name: p for p in cell.get_parameters() if not p.name.endswith("_cache")}
+    params = {name: p for name, p in cell.parameters_and_names() if not name.endswith("_cache")}
+    shards = collect_shards(cell)
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for ckpt_name, tensor in iterate_checkpoint(model_dir):
-        name = map_name(ckpt_name)
-        if name is None:
-            continue
-        param = params.get(name)
-        if param is None:
-            unexpected.append(ckpt_name)
-            continue
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise WeightLoadError(
-                f"Checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)} but the model built "
-                f"from config.json expects {tuple(param.shape)}: config.json and the weights in "
-                f"{model_dir!r} do not belong together.")
-        array = tensor.to(_TORCH_DTYPE.get(param.dtype, torch.float32))
-        if array.dtype == torch.bfloat16:
-            param.set_data(ms.Tensor(array.float().numpy(), ms.bfloat16))
-        else:
-            param.set_data(ms.Tensor.from_numpy(np.ascontiguousarray(array.numpy())))
-        loaded.add(name)
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as handle:
+            for ckpt_name in handle.keys():
+                name = map_name(ckpt_name)
+                if name is None:
+                    continue
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(ckpt_name)
+                    continue
+                _assign(param, _read(handle, ckpt_name, shards.get(name)), ckpt_name,
+                        shards.get(name), model_dir)
+                loaded.add(name)
     missing = sorted(set(params) - loaded)
     if unexpected or missing:
         raise WeightLoadError(
@@ -83,3 +88,24 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
             f"({len(unexpected)} in all).")
     logger.info("Loaded %d tensors from %s", len(loaded), model_dir)
+
+
+def _assign(param, tensor: torch.Tensor, ckpt_name: str, shard: ShardSpec | None,
+            model_dir: str) -> None:
+    expected = list(param.shape)
+    if shard is not None:
+        expected[shard.dim] = shard.size  # the parameter may be longer: zero padding
+    if list(tensor.shape) != expected:
+        raise WeightLoadError(
+            f"Checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)} but the model built "
+            f"from config.json expects {tuple(expected)}: config.json and the weights in "
+            f"{model_dir!r} do not belong together.")
+    tensor = tensor.to(_TORCH_DTYPE.get(param.dtype, torch.float32))
+    if shard is not None and shard.size != param.shape[shard.dim]:
+        padded = torch.zeros(tuple(param.shape), dtype=tensor.dtype)
+        padded.narrow(shard.dim, 0, shard.size).copy_(tensor)
+        tensor = padded
+    if tensor.dtype == torch.bfloat16:
+        param.set_data(ms.Tensor(tensor.float().numpy(), ms.bfloat16))
+    else:
+        param.set_data(ms.Tensor.from_numpy(np.ascontiguousarray(tensor.numpy())))

@@ -8,12 +8,20 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_mindspore import envs
+from vllm_mindspore.distributed.communication import init_communication, shutdown_communication
 from vllm_mindspore.platform import ASCEND, DEVICE
 
 logger = init_logger("vllm.vllm_mindspore.worker")
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_CAP = 4 * GiB
+
+
+def _host_of(init_method: str) -> str:
+    """The host of vLLM's `tcp://host:port` init method (rank 0's node), else loopback."""
+    if init_method and init_method.startswith("tcp://"):
+        return init_method[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return "127.0.0.1"
 
 
 def init_mindspore(local_rank: int) -> None:
@@ -40,6 +48,11 @@ class MindSporeWorker(WorkerBase):
         ensure_model_parallel_initialized(parallel.tensor_parallel_size,
                                           parallel.pipeline_parallel_size)
         init_mindspore(self.local_rank)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp_group = get_tp_group()
+        init_communication(tp_group.rank_in_group, tp_group.world_size, tp_group.cpu_group,
+                           _host_of(self.distributed_init_method), DEVICE)
         from vllm_mindspore.worker.model_runner import MindSporeModelRunner
 
         self.model_runner = MindSporeModelRunner(self.vllm_config)
@@ -132,5 +145,10 @@ class MindSporeWorker(WorkerBase):
     def check_health(self) -> None:
         return None
 
+    def weight_bytes(self) -> int:
+        """Bytes of model weights resident on this rank (KV cache excluded)."""
+        return sum(p.nbytes for name, p in self.model_runner.model.parameters_and_names()
+                   if not name.endswith("_cache"))
+
     def shutdown(self) -> None:
-        return None
+        shutdown_communication()

@@ -1,0 +1,108 @@
+"""MindSpore collective communication brought up from vLLM's own ranks, without msrun.
+
+vLLM gives every worker its rank, the world size and a gloo process group. From those, rank 0
+picks a free port and shares it over gloo, starts MindSpore's cluster scheduler (a fresh
+interpreter, killed by the kernel if rank 0 dies), and every rank joins as an `MS_WORKER`
+before calling `mindspore.communication.init()` (HCCL on Ascend, mccl on CPU). A peer that never
+arrives makes `init()` fail after `VLLM_MS_COMM_TIMEOUT` seconds instead of hanging.
+"""
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from vllm.logger import init_logger
+
+from vllm_mindspore import envs
+
+logger = init_logger("vllm.vllm_mindspore.communication")
+
+_scheduler: subprocess.Popen | None = None
+
+# Runs in a fresh interpreter: never a fork of a process that has run MindSpore.
+_SCHEDULER_PROGRAM = r"""
+import ctypes, os, signal, sys
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with rank 0
+if os.getppid() != int(os.environ["VLLM_MS_SCHEDULER_PARENT"]):
+    sys.exit(0)
+import mindspore as ms
+ms.set_device(os.environ["VLLM_MS_SCHEDULER_DEVICE"])
+from mindspore.communication import init
+init()
+"""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _share_from_rank0(value: int, rank: int, cpu_group) -> int:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value if rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(tensor, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)
+    return int(tensor.item())
+
+
+def _start_scheduler(host: str, port: int, world_size: int, device: str) -> None:
+    global _scheduler
+    env = {k: v for k, v in os.environ.items() if k != "MS_NODE_ID"}
+    env.update(MS_ROLE="MS_SCHED", MS_SCHED_HOST=host, MS_SCHED_PORT=str(port),
+               MS_WORKER_NUM=str(world_size), VLLM_MS_SCHEDULER_PARENT=str(os.getpid()),
+               VLLM_MS_SCHEDULER_DEVICE=device, GLOG_v=env.get("GLOG_v", "3"))
+    _scheduler = subprocess.Popen([sys.executable, "-c", _SCHEDULER_PROGRAM], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def init_communication(rank: int, world_size: int, cpu_group, host: str, device: str) -> None:
+    """Join MindSpore's collective world as `rank` of `world_size` (call after MindSpore's
+    device is set). `cpu_group` is vLLM's gloo group over the same ranks."""
+    if world_size == 1:
+        return
+    start = time.perf_counter()
+    port = _share_from_rank0(_free_port(host) if rank == 0 else 0, rank, cpu_group)
+    if rank == 0:
+        _start_scheduler(host, port, world_size, device)
+    timeout = str(int(envs.VLLM_MS_COMM_TIMEOUT))
+    os.environ.update(MS_ROLE="MS_WORKER", MS_SCHED_HOST=host, MS_SCHED_PORT=str(port),
+                      MS_WORKER_NUM=str(world_size), MS_NODE_ID=str(rank),
+                      MS_TOPO_TIMEOUT=timeout, MS_NODE_TIMEOUT=timeout)
+    from mindspore.communication import get_group_size, get_rank, init
+
+    try:
+        init()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"MindSpore collective communication did not come up for rank {rank} of "
+            f"{world_size} (scheduler {host}:{port}) within {timeout}s: a peer did not arrive or "
+            f"died. Raise VLLM_MS_COMM_TIMEOUT if ranks start slowly. Cause: {error}") from error
+    if (get_rank(), get_group_size()) != (rank, world_size):
+        raise RuntimeError(f"MindSpore assigned rank {get_rank()} of {get_group_size()}, "
+                           f"vLLM expected rank {rank} of {world_size}.")
+    # MindSpore's exit-time finalize waits for the scheduler and every peer; after vLLM's own
+    # shutdown that wait can only hang, so the process leaves directly (registered last: runs
+    # first).
+    atexit.register(_exit_now)
+    logger.info("MindSpore communication up: rank %d of %d via %s:%d in %.1f s", rank,
+                world_size, host, port, time.perf_counter() - start)
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def shutdown_communication() -> None:
+    """Stop the scheduler started by rank 0 (not waited for: it waits for the workers)."""
+    global _scheduler
+    if _scheduler is not None:
+        _scheduler.kill()
+        _scheduler = None
