@@ -163,12 +163,11 @@ class MindSporePlatform(Platform):
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError(
-                f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
-                f"{parallel.pipeline_parallel_size}: vllm-mindspore does not shard models across "
-                "processes yet. Run with --tensor-parallel-size 1 (and --data-parallel-size N to "
-                "use more processes).")
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}: vllm-mindspore does "
+                "not implement pipeline parallelism. Use --tensor-parallel-size (and "
+                "--data-parallel-size) to spread the model.")
         if parallel.distributed_executor_backend != "ray":  # Ray places ranks across nodes
             check_world_fits_devices(
                 parallel.tensor_parallel_size * parallel.pipeline_parallel_size

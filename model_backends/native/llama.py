@@ -9,7 +9,9 @@ The forward takes vLLM's packed token batch and returns logits only for `logits_
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_backends.native.layers import Embedding, Linear, SiluAndMul
+from model_backends.native.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                          ShardSpec, SiluAndMul, VocabParallelEmbedding,
+                                          even_split, tp_rank_and_size)
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
 
 
@@ -21,16 +23,27 @@ class LlamaAttention(nn.Cell):
 
     def __init__(self, config, block_size: int, dtype):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        tp_rank, tp_size = tp_rank_and_size()
+        if total_heads % tp_size or (total_kv_heads % tp_size and tp_size % total_kv_heads):
+            raise ValueError(f"{total_heads} attention heads / {total_kv_heads} KV heads do not "
+                             f"split over tensor_parallel_size={tp_size}.")
+        self.num_heads = total_heads // tp_size
+        # More ranks than KV heads: each KV head is replicated on tp_size / total_kv_heads ranks.
+        self.num_kv_heads = max(1, total_kv_heads // tp_size)
+        kv_shard = (even_split(total_kv_heads * self.head_dim) if tp_size <= total_kv_heads else
+                    ShardSpec(0, tp_rank * total_kv_heads // tp_size * self.head_dim,
+                              self.head_dim))
         hidden = config.hidden_size
         bias = getattr(config, "attention_bias", False) or self.qkv_bias
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias, dtype)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden,
-                             getattr(config, "attention_bias", False), dtype)
+        self.q_proj = ColumnParallelLinear(hidden, total_heads * self.head_dim, bias, dtype)
+        self.k_proj = ColumnParallelLinear(hidden, total_kv_heads * self.head_dim, bias, dtype,
+                                           kv_shard)
+        self.v_proj = ColumnParallelLinear(hidden, total_kv_heads * self.head_dim, bias, dtype,
+                                           kv_shard)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden,
+                                        getattr(config, "attention_bias", False), dtype)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -64,9 +77,9 @@ class LlamaAttention(nn.Cell):
 class LlamaMLP(nn.Cell):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, False, dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, False, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype)
         self.act = SiluAndMul()
 
     def construct(self, x):
@@ -89,11 +102,13 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    def __init__(self, config, layer_cls, block_size: int, dtype):
+    """`make_layer(config, layer_index, block_size, dtype)` builds each decoder layer."""
+
+    def __init__(self, config, make_layer, block_size: int, dtype):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.CellList([layer_cls(config, block_size, dtype)
-                                   for _ in range(config.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.CellList([make_layer(config, i, block_size, dtype)
+                                   for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def construct(self, input_ids, positions, attn_metadata):
@@ -113,19 +128,21 @@ class LlamaForCausalLM(nn.Cell):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, self.decoder_layer_cls, block_size, dtype)
+        self.model = LlamaModel(config, self.make_layer, block_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        self.matmul = ops.MatMul(transpose_b=True)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, dtype,
+            tied=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
+        """Decoder layer `layer_index`; models whose layers differ by index override this."""
+        return self.decoder_layer_cls(config, block_size, dtype)
 
     def construct(self, input_ids, positions, logits_index, slot_mapping, block_tables,
                   query_index, query_positions, token_index):
         attn_metadata = (slot_mapping, block_tables, query_index, query_positions, token_index)
         hidden = self.model(input_ids, positions, attn_metadata)
-        hidden = ops.gather(hidden, logits_index, 0)
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return self.matmul(hidden, weight).astype(ms.float32)
+        return self.lm_head(ops.gather(hidden, logits_index, 0))
 
     def dynamic_inputs(self) -> tuple:
         token_ids = ms.Tensor(shape=[None], dtype=ms.int32)

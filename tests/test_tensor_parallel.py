@@ -1,0 +1,104 @@
+"""Tensor parallel over two `mp` worker processes with MindSpore collectives (mccl on CPU):
+same tokens as TP=1, half the weights per rank, failures that end cleanly."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import openai
+import psutil
+import pytest
+from conftest import PROMPTS, HFReference, assert_matches_hf, free_port
+
+MODELS = {
+    # GQA split: 2 KV heads over 2 ranks; vocabulary not divisible by 2 (padded shard).
+    "llama-untied-odd-vocab": ("LlamaForCausalLM", dict(vocab_size=515)),
+    # More ranks than KV heads: the single KV head is replicated; tied embeddings; q/k norm.
+    "qwen3-one-kv-head-tied": ("Qwen3ForCausalLM", dict(num_key_value_heads=1,
+                                                         tie_word_embeddings=True)),
+}
+
+
+def generate(model_dir, tp):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, tensor_parallel_size=tp, max_model_len=256, max_num_seqs=8,
+              kv_cache_memory_bytes=16 << 20, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(PROMPTS, params)
+    weight_bytes = llm.collective_rpc("weight_bytes")
+    llm.llm_engine.engine_core.shutdown()
+    return outputs, weight_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp2_matches_tp1_and_hf_with_half_the_weights(tiny_model_factory, name):
+    arch, overrides = MODELS[name]
+    model_dir = tiny_model_factory(arch, **overrides)
+    single, (single_bytes,) = generate(model_dir, 1)
+    double, rank_bytes = generate(model_dir, 2)
+    reference = HFReference(model_dir)
+    for one, two in zip(single, double):
+        tokens = list(two.outputs[0].token_ids)
+        assert tokens == list(one.outputs[0].token_ids)
+        logprobs = [step[t].logprob for t, step in zip(tokens, two.outputs[0].logprobs)]
+        ref_tokens, ref_steps = reference.greedy(list(two.prompt_token_ids), 8)
+        assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, f"tp2 {name}")
+    # Sharded: each rank holds about half; only norms (and replicated KV heads) are duplicated.
+    assert len(rank_bytes) == 2
+    for part in rank_bytes:
+        assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)
+
+
+def test_worker_killed_mid_request_fails_requests_and_exits(serve, tiny_model_factory):
+    model_dir = tiny_model_factory("LlamaForCausalLM", vocab_size=515)
+    server = serve(model_dir, "--tensor-parallel-size", "2", "--max-model-len", "1024",
+                   "--kv-cache-memory-bytes", str(16 << 20))
+    port = server.port
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "Worker" in " ".join(p.cmdline())]
+    assert workers, "no TP worker process found"
+    client = server.client()
+    stream = client.completions.create(model=model_dir, prompt=PROMPTS[0], max_tokens=900,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request is running
+    workers[-1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    with pytest.raises((openai.APIError, openai.APIConnectionError, Exception)):
+        for _ in stream:
+            pass
+    server.proc.wait(timeout=30)
+    assert time.time() - killed_at < 30
+    descendants_gone = time.time() + 10
+    while time.time() < descendants_gone and any(p.is_running() and p.status() != "zombie"
+                                                 for p in workers):
+        time.sleep(0.5)
+    leftover = [p.pid for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and model_dir in " ".join(p.info["cmdline"])]
+    assert not leftover, f"processes left behind: {leftover}"
+    assert not [c for c in psutil.net_connections("tcp")
+                if c.laddr and c.laddr.port == port and c.status == "LISTEN"]
+
+
+def test_unreachable_peer_fails_with_clear_error_within_timeout(tmp_path):
+    """Rank 0 of a 2-rank MindSpore world whose peer never comes: an error, not a hang."""
+    script = textwrap.dedent(f"""
+        import os, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
+        import mindspore as ms
+        ms.set_device("CPU")
+        from vllm_mindspore.distributed.communication import init_communication
+        init_communication(0, 2, dist.group.WORLD, "127.0.0.1", "CPU")
+    """)
+    start = time.time()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "VLLM_MS_COMM_TIMEOUT": "8",
+                                              "GLOG_v": "3"})
+    assert result.returncode != 0
+    assert "did not come up for rank 0 of 2" in result.stderr
+    assert time.time() - start < 60
