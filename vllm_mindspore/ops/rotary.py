@@ -54,7 +54,8 @@ class RotaryEmbedding(nn.Cell):
         else:
             x1 = rot[..., 0::2]
             x2 = rot[..., 1::2]
-            rotated = mint.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            # mint.stack (StackExt) has no CPU kernel; ops.stack has.
+            rotated = ops.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
             rotated = rotated.reshape(rot.shape)
         if self.rotary_dim == self.head_size:
             return rotated

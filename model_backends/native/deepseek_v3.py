@@ -1,0 +1,216 @@
+"""DeepSeek-V3 / R1 (and the V2 family's layout) in MindSpore graph mode.
+
+Mirrors HF transformers' `DeepseekV3ForCausalLM` and the official checkpoints' tensor names:
+multi-head latent attention (`q_a_proj`/`q_a_layernorm`/`q_b_proj`, or `q_proj` when
+`q_lora_rank` is null; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`) over a latent KV cache
+of `kv_lora_rank + qk_rope_head_dim` values per token; YaRN rope as vLLM's `deepseek_yarn`, with
+the mscale correction of the softmax scale; dense MLP in the first `first_k_dense_replace` layers,
+then sigmoid grouped top-k MoE with shared experts. Multi-token-prediction layers (index >=
+num_hidden_layers) are not built and their tensors are skipped.
+"""
+
+import math
+import re
+
+import mindspore as ms
+from mindspore import Parameter, mint, nn, ops
+
+from model_backends.native.layers import Linear
+from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
+from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
+from vllm_mindspore.ops.mla import MLAAttention
+from vllm_mindspore.ops.moe import MoEDispatch
+
+# HF's DeepseekV3RMSNorm default: q_a_layernorm / kv_a_layernorm are built without the config eps.
+_LORA_NORM_EPS = 1e-6
+_MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_and_softmax_scale(config) -> tuple[dict, float]:
+    """vLLM's DeepseekV2/V3 reading of `rope_parameters`: any scaled rope becomes `deepseek_yarn`
+    (or `deepseek_llama_scaling` when attention_factor == 1), and YaRN multiplies the softmax
+    scale by mscale(factor, mscale_all_dim)^2 (the cos/sin tables carry the mscale ratio)."""
+    params = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default"})
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    if params.get("rope_type", "default") != "default":
+        params["rope_type"] = ("deepseek_llama_scaling" if params.get("attention_factor") == 1.0
+                               else "deepseek_yarn")
+    if params.get("rope_type") == "deepseek_yarn":
+        mscale = yarn_get_mscale(params["factor"], float(params.get("mscale_all_dim", 0) or 0))
+        scale *= mscale * mscale
+    return params, scale
+
+
+class DeepseekV3Attention(nn.Cell):
+    """hidden [T, hidden] -> [T, hidden]; this step's latents are written to the layer's cache."""
+
+    def __init__(self, config, block_size: int, dtype):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(hidden, self.num_heads * self.qk_head_dim, False, dtype)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS, dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, False,
+                                   dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias,
+                                         dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS, dtype)
+        self.kv_b_proj = Linear(self.kv_lora_rank,
+                                self.num_heads * (self.qk_nope_head_dim + config.v_head_dim), False,
+                                dtype)
+        self.o_proj = Linear(self.num_heads * config.v_head_dim, hidden, bias, dtype)
+        rope_parameters, scale = rope_and_softmax_scale(config)
+        # rope_interleave (HF default, the official checkpoints' layout): GPT-J style pairs
+        # (x0, x1), (x2, x3)... Rope channels only meet in q_pe . k_pe, so both are de-interleaved
+        # (evens, then odds) and rotated neox style: same scores, and the fused kernel applies.
+        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
+        self.rotary_emb = RotaryEmbedding(
+            self.qk_rope_head_dim, self.qk_rope_head_dim, config.max_position_embeddings,
+            rope_parameters, is_neox_style=True, dtype=dtype)
+        self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim,
+                                 self.qk_rope_head_dim, config.v_head_dim, scale, block_size)
+        self.kv_cache = None
+
+    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
+        self.kv_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks), dtype=dtype),
+                                  name="kv_cache", requires_grad=False)
+
+    def construct(self, positions, hidden, attn_metadata):
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.reshape(num_tokens, self.num_heads, self.qk_head_dim)
+        q_nope = q[..., :self.qk_nope_head_dim]
+        q_pe = q[..., self.qk_nope_head_dim:]
+        kv_a = self.kv_a_proj_with_mqa(hidden)
+        latent = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank])
+        k_pe = kv_a[:, self.kv_lora_rank:].reshape(num_tokens, 1, self.qk_rope_head_dim)
+        if self.rope_interleave:
+            q_pe = mint.cat((q_pe[..., 0::2], q_pe[..., 1::2]), dim=-1)
+            k_pe = mint.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        latent = mint.cat((latent, k_pe.reshape(num_tokens, self.qk_rope_head_dim)), dim=-1)
+        out = self.attn(q_nope, q_pe, latent, self.kv_b_proj.weight, self.kv_cache,
+                        *attn_metadata)
+        return self.o_proj(out)
+
+
+class DeepseekV3TopkRouter(nn.Cell):
+    """hidden [T, hidden] -> (weights [T, K] float32, expert ids [T, K] int32).
+
+    Sigmoid scores; `e_score_correction_bias` only steers the choice: groups ranked by the sum
+    of their top-2 biased scores, the best `topk_group` groups kept, top-k experts inside them;
+    the weights are the un-biased scores (renormalised if norm_topk_prob) * routed_scaling_factor.
+    """
+
+    def __init__(self, config, dtype):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups = config.n_group or 1
+        self.topk_group = config.topk_group or 1
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        self.weight = Parameter(mint.zeros((self.num_experts, config.hidden_size), dtype=dtype),
+                                requires_grad=False)
+        # float32 in the checkpoints (HF keeps it in float32 whatever the model dtype).
+        self.e_score_correction_bias = Parameter(mint.zeros(self.num_experts, dtype=ms.float32),
+                                                 requires_grad=False)
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, hidden):
+        num_tokens = hidden.shape[0]
+        logits = self.matmul(hidden.astype(ms.float32), self.weight.astype(ms.float32))
+        scores = ops.sigmoid(logits)  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.num_groups
+        grouped = biased.reshape(num_tokens, self.num_groups, per_group)
+        group_scores = ops.topk(grouped, 2)[0].sum(-1)  # [T, G]: sum of each group's top-2
+        group_ids = ops.topk(group_scores, self.topk_group)[1]  # [T, topk_group]
+        group_mask = mint.sum(ops.one_hot(group_ids, self.num_groups, ops.ones((), ms.float32),
+                                          ops.zeros((), ms.float32)), 1)  # [T, G]
+        expert_mask = ops.broadcast_to(group_mask.expand_dims(-1),
+                                       (num_tokens, self.num_groups, per_group))
+        biased = ops.select(expert_mask.reshape(num_tokens, self.num_experts) > 0.5, biased,
+                            ops.full_like(biased, -1e30))
+        topk_ids = ops.topk(biased, self.top_k)[1]
+        weights = ops.gather_elements(scores, 1, topk_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * self.routed_scaling_factor, topk_ids.astype(ms.int32)
+
+
+class DeepseekV3MoE(nn.Cell):
+    """hidden [T, hidden] -> routed experts (weighted) + shared experts."""
+
+    def __init__(self, config, dtype):
+        super().__init__()
+        self.experts = nn.CellList([
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype)
+            for _ in range(config.n_routed_experts)])
+        self.gate = DeepseekV3TopkRouter(config, dtype)
+        self.has_shared = bool(config.n_shared_experts)
+        if self.has_shared:
+            self.shared_experts = LlamaMLP(
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype)
+        self.dispatch = MoEDispatch(config.n_routed_experts)
+
+    def construct(self, hidden):
+        weights, expert_ids = self.gate(hidden)
+        out = self.dispatch(hidden, weights, expert_ids, self.experts)
+        if self.has_shared:
+            out = out + self.shared_experts(hidden)
+        return out
+
+
+class DeepseekV3DecoderLayer(nn.Cell):
+    def __init__(self, config, layer_idx: int, block_size: int, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = DeepseekV3Attention(config, block_size, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if layer_idx >= config.first_k_dense_replace:
+            self.mlp = DeepseekV3MoE(config, dtype)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def construct(self, positions, hidden, attn_metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """(input_ids [T], positions [T], logits_index [N], *AttentionMetadata) -> logits [N, vocab]
+    in float32. One latent KV cache per layer: [slots, kv_lora_rank + qk_rope_head_dim]."""
+
+    def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
+        return DeepseekV3DecoderLayer(config, layer_index, block_size, dtype)
+
+    def kv_cache_spec(self, block_size: int, torch_dtype):
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        attn = self.model.layers[0].self_attn
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
+                                head_size=attn.attn.latent_size, dtype=torch_dtype)
+        return {name: spec for name in self.attention_layers()}
+
+    def checkpoint_name_to_param(self, name: str) -> str | None:
+        match = _MTP_LAYER.match(name)
+        if match and int(match.group(1)) >= self.config.num_hidden_layers:
+            return None  # multi-token-prediction layers: not used for generation
+        return super().checkpoint_name_to_param(name)

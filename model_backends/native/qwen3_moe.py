@@ -1,0 +1,74 @@
+"""Qwen3-MoE: the Qwen3 decoder (q/k RMSNorm attention) with softmax top-k routed experts.
+
+Layer i is sparse when it is not in `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0,
+as in HF transformers' `Qwen3MoeDecoderLayer`; other layers keep the dense MLP. Tensor names as
+in the checkpoints: `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight`.
+"""
+
+import mindspore as ms
+from mindspore import Parameter, mint, nn, ops
+
+from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
+from model_backends.native.qwen3 import Qwen3Attention
+from vllm_mindspore.ops import RMSNorm
+from vllm_mindspore.ops.moe import MoEDispatch
+
+
+class Qwen3MoeTopKRouter(nn.Cell):
+    """hidden [T, hidden] -> (weights [T, K] float32, expert ids [T, K] int32): softmax over all
+    experts in float32, top-k, renormalised over the k when norm_topk_prob."""
+
+    def __init__(self, config, dtype):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.weight = Parameter(mint.zeros((config.num_experts, config.hidden_size), dtype=dtype),
+                                requires_grad=False)
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, hidden):
+        probs = ops.softmax(self.matmul(hidden, self.weight).astype(ms.float32), -1)
+        weights, expert_ids = ops.topk(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return weights, expert_ids.astype(ms.int32)
+
+
+class Qwen3MoeSparseMoeBlock(nn.Cell):
+    def __init__(self, config, dtype):
+        super().__init__()
+        self.experts = nn.CellList([
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype)
+            for _ in range(config.num_experts)])
+        self.gate = Qwen3MoeTopKRouter(config, dtype)
+        self.dispatch = MoEDispatch(config.num_experts)
+
+    def construct(self, hidden):
+        weights, expert_ids = self.gate(hidden)
+        return self.dispatch(hidden, weights, expert_ids, self.experts)
+
+
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_idx + 1) % config.decoder_sparse_step == 0)
+
+
+class Qwen3MoeDecoderLayer(nn.Cell):
+    def __init__(self, config, layer_idx: int, block_size: int, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Qwen3Attention(config, block_size, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if is_sparse_layer(config, layer_idx):
+            self.mlp = Qwen3MoeSparseMoeBlock(config, dtype)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def construct(self, positions, hidden, attn_metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
+        return Qwen3MoeDecoderLayer(config, layer_index, block_size, dtype)
