@@ -64,7 +64,7 @@ class MindSporePlatform(Platform):
     dispatch_key: str = "CPU"
     # Ray places one worker per bundle of this resource. "NPU" is Ray's built-in Ascend
     # accelerator (it then sets ASCEND_RT_VISIBLE_DEVICES itself).
-    ray_device_key: str = "NPU" if DEVICE == ASCEND else "CPU"
+    ray_device_key: str = "NPU"
     device_control_env_var: str = "ASCEND_RT_VISIBLE_DEVICES"
     dist_backend: str = "gloo"  # vLLM's own (control-plane) torch.distributed groups
     simple_compile_backend: str = "eager"
