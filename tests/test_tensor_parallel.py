@@ -12,8 +12,13 @@ import openai
 import psutil
 import pytest
 from conftest import PROMPTS, HFReference, assert_matches_hf, free_port
+from test_moe_models import MODELS as MOE_MODELS
+from test_moe_models import finish_deepseek_checkpoint
 
 MODELS = {
+    # MLA heads split (the latent cache replicated), experts split, one all-reduce per MoE.
+    "deepseek-v3-q-lora": MOE_MODELS["deepseek-v3-q-lora"],
+    "qwen3-moe": MOE_MODELS["qwen3-moe"],
     # GQA split: 2 KV heads over 2 ranks; vocabulary not divisible by 2 (padded shard).
     "llama-untied-odd-vocab": ("LlamaForCausalLM", dict(vocab_size=515)),
     # More ranks than KV heads: the single KV head is replicated; tied embeddings; q/k norm.
@@ -38,6 +43,8 @@ def generate(model_dir, tp):
 def test_tp2_matches_tp1_and_hf_with_half_the_weights(tiny_model_factory, name):
     arch, overrides = MODELS[name]
     model_dir = tiny_model_factory(arch, **overrides)
+    if arch == "DeepseekV3ForCausalLM":
+        finish_deepseek_checkpoint(model_dir)
     single, (single_bytes,) = generate(model_dir, 1)
     double, rank_bytes = generate(model_dir, 2)
     reference = HFReference(model_dir)
@@ -47,7 +54,8 @@ def test_tp2_matches_tp1_and_hf_with_half_the_weights(tiny_model_factory, name):
         logprobs = [step[t].logprob for t, step in zip(tokens, two.outputs[0].logprobs)]
         ref_tokens, ref_steps = reference.greedy(list(two.prompt_token_ids), 8)
         assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, f"tp2 {name}")
-    # Sharded: each rank holds about half; only norms (and replicated KV heads) are duplicated.
+    # Sharded: each rank holds about half; only norms, routers, replicated KV heads and MLA's
+    # latent projections are duplicated.
     assert len(rank_bytes) == 2
     for part in rank_bytes:
         assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)

@@ -15,7 +15,8 @@ import re
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_backends.native.layers import Linear
+from model_backends.native.layers import (ColumnParallelLinear, Linear, RowParallelLinear,
+                                          TensorParallelAllReduce, tp_rank_and_size)
 from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.mla import MLAAttention
@@ -51,7 +52,13 @@ class DeepseekV3Attention(nn.Cell):
     def __init__(self, config, block_size: int, dtype):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        total_heads = config.num_attention_heads
+        tp_size = tp_rank_and_size()[1]
+        if total_heads % tp_size:
+            raise ValueError(f"{total_heads} attention heads do not split over "
+                             f"tensor_parallel_size={tp_size}.")
+        # Heads split over TP ranks; the latent (and its cache) is the same on every rank.
+        self.num_heads = total_heads // tp_size
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -59,19 +66,20 @@ class DeepseekV3Attention(nn.Cell):
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, self.num_heads * self.qk_head_dim, False, dtype)
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * self.qk_head_dim, False,
+                                               dtype)
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS, dtype)
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, False,
-                                   dtype)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * self.qk_head_dim,
+                                                 False, dtype)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias,
                                          dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS, dtype)
-        self.kv_b_proj = Linear(self.kv_lora_rank,
-                                self.num_heads * (self.qk_nope_head_dim + config.v_head_dim), False,
-                                dtype)
-        self.o_proj = Linear(self.num_heads * config.v_head_dim, hidden, bias, dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + config.v_head_dim), False,
+            dtype)
+        self.o_proj = RowParallelLinear(total_heads * config.v_head_dim, hidden, bias, dtype)
         rope_parameters, scale = rope_and_softmax_scale(config)
         # rope_interleave (HF default, the official checkpoints' layout): GPT-J style pairs
         # (x0, x1), (x2, x3)... Rope channels only meet in q_pe . k_pe, so both are de-interleaved
@@ -160,22 +168,26 @@ class DeepseekV3MoE(nn.Cell):
 
     def __init__(self, config, dtype):
         super().__init__()
+        # Each expert's intermediate features are split over TP ranks; the partial sums of all
+        # experts (and the shared ones) are reduced once, after combining.
         self.experts = nn.CellList([
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype)
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False)
             for _ in range(config.n_routed_experts)])
         self.gate = DeepseekV3TopkRouter(config, dtype)
         self.has_shared = bool(config.n_shared_experts)
         if self.has_shared:
             self.shared_experts = LlamaMLP(
-                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype)
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype,
+                reduce_results=False)
         self.dispatch = MoEDispatch(config.n_routed_experts)
+        self.reduce = TensorParallelAllReduce()
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)
         out = self.dispatch(hidden, weights, expert_ids, self.experts)
         if self.has_shared:
             out = out + self.shared_experts(hidden)
-        return out
+        return self.reduce(out)
 
 
 class DeepseekV3DecoderLayer(nn.Cell):

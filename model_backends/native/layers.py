@@ -85,20 +85,33 @@ class ColumnParallelLinear(Linear):
         self.shards = {"weight": shard, **({"bias": shard} if bias else {})}
 
 
-class RowParallelLinear(Linear):
-    """Input features split over TP ranks, partial sums all-reduced: x [T, in / tp] -> [T, out]."""
+class TensorParallelAllReduce(nn.Cell):
+    """Sum of x over the TP ranks (identity with one rank)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=ms.float32):
+    def __init__(self):
+        super().__init__()
+        self.all_reduce = ops.AllReduce() if tp_rank_and_size()[1] > 1 else None
+
+    def construct(self, x):
+        return x if self.all_reduce is None else self.all_reduce(x)
+
+
+class RowParallelLinear(Linear):
+    """Input features split over TP ranks: x [T, in / tp] -> [T, out], the partial sums
+    all-reduced unless `reduce_results` is False (the caller then reduces a sum of several)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=ms.float32,
+                 reduce_results: bool = True):
         shard = even_split(in_features)
         super().__init__(shard.size, out_features, False, dtype)
         self.bias = _empty((out_features,), dtype) if bias else None
         self.shards = {"weight": ShardSpec(1, shard.start, shard.size)}
-        self.all_reduce = ops.AllReduce() if tp_rank_and_size()[1] > 1 else None
+        self.reduce = TensorParallelAllReduce() if reduce_results else None
 
     def construct(self, x):
         y = self.matmul(x, self.weight)
-        if self.all_reduce is not None:
-            y = self.all_reduce(y)
+        if self.reduce is not None:
+            y = self.reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -75,11 +75,16 @@ class LlamaAttention(nn.Cell):
 
 
 class LlamaMLP(nn.Cell):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype):
+    """x [T, hidden] -> [T, hidden]; the intermediate features are split over TP ranks
+    (`reduce_results=False` leaves the partial sums for the caller to all-reduce)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype,
+                 reduce_results: bool = True):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype,
+                                           reduce_results)
         self.act = SiluAndMul()
 
     def construct(self, x):

@@ -8,6 +8,7 @@ in the checkpoints: `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
+from model_backends.native.layers import TensorParallelAllReduce
 from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
 from model_backends.native.qwen3 import Qwen3Attention
 from vllm_mindspore.ops import RMSNorm
@@ -37,15 +38,17 @@ class Qwen3MoeTopKRouter(nn.Cell):
 class Qwen3MoeSparseMoeBlock(nn.Cell):
     def __init__(self, config, dtype):
         super().__init__()
+        # Experts split over TP ranks like dense MLPs; one all-reduce after combining them.
         self.experts = nn.CellList([
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype)
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False)
             for _ in range(config.num_experts)])
         self.gate = Qwen3MoeTopKRouter(config, dtype)
         self.dispatch = MoEDispatch(config.num_experts)
+        self.reduce = TensorParallelAllReduce()
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)
-        return self.dispatch(hidden, weights, expert_ids, self.experts)
+        return self.reduce(self.dispatch(hidden, weights, expert_ids, self.experts))
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
