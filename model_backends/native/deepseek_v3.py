@@ -16,7 +16,8 @@ import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
 from model_backends.native.layers import (ColumnParallelLinear, Linear, RowParallelLinear,
-                                          TensorParallelAllReduce, tp_rank_and_size)
+                                          ExpertShard, TensorParallelAllReduce,
+                                          ep_rank_and_size, tp_rank_and_size)
 from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.mla import MLAAttention
@@ -170,16 +171,17 @@ class DeepseekV3MoE(nn.Cell):
         super().__init__()
         # Each expert's intermediate features are split over TP ranks; the partial sums of all
         # experts (and the shared ones) are reduced once, after combining.
+        shard = ExpertShard.for_rank(config.n_routed_experts)  # expert parallel: a range
         self.experts = nn.CellList([
             LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False)
-            for _ in range(config.n_routed_experts)])
+            for _ in range(shard.count)])
         self.gate = DeepseekV3TopkRouter(config, dtype)
         self.has_shared = bool(config.n_shared_experts)
         if self.has_shared:
             self.shared_experts = LlamaMLP(
                 config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype,
                 reduce_results=False)
-        self.dispatch = MoEDispatch(config.n_routed_experts)
+        self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
 
     def construct(self, hidden):
@@ -225,4 +227,5 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         match = _MTP_LAYER.match(name)
         if match and int(match.group(1)) >= self.config.num_hidden_layers:
             return None  # multi-token-prediction layers: not used for generation
-        return super().checkpoint_name_to_param(name)
+        name = ExpertShard.for_rank(self.config.n_routed_experts).local_name(name)
+        return None if name is None else super().checkpoint_name_to_param(name)

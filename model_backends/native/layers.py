@@ -32,6 +32,47 @@ def tp_rank_and_size() -> tuple[int, int]:
         return 0, 1
 
 
+def ep_rank_and_size() -> tuple[int, int]:
+    """Rank and size of the expert-parallel group (all DP x TP ranks) when vLLM's
+    --enable-expert-parallel is on for a multi-rank MoE run, else (0, 1)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_ep_group
+
+    try:
+        parallel = get_current_vllm_config().parallel_config
+        group = get_ep_group()
+    except AssertionError:
+        return 0, 1
+    if not parallel.enable_expert_parallel or group.world_size == 1:
+        return 0, 1
+    return group.rank_in_group, group.world_size
+
+
+class ExpertShard(NamedTuple):
+    """Routed experts [start, start + count) live on this rank (all of them without EP)."""
+
+    start: int
+    count: int
+
+    @classmethod
+    def for_rank(cls, num_experts: int) -> "ExpertShard":
+        rank, size = ep_rank_and_size()
+        if num_experts % size:
+            raise ValueError(f"{num_experts} routed experts do not split over the "
+                             f"{size} expert-parallel ranks (data x tensor parallel).")
+        return cls(rank * (num_experts // size), num_experts // size)
+
+    def local_name(self, name: str) -> str | None:
+        """Checkpoint name `...experts.E....` -> this rank's parameter name, or None when
+        expert E lives on another rank."""
+        head, sep, tail = name.partition(".experts.")
+        index, dot, rest = tail.partition(".")
+        if not sep or not index.isdigit():
+            return name
+        local = int(index) - self.start
+        return f"{head}.experts.{local}.{rest}" if 0 <= local < self.count else None
+
+
 def even_split(total: int) -> ShardSpec:
     """Rank's part of `total` rows split evenly (total must divide by the TP size)."""
     rank, size = tp_rank_and_size()

@@ -8,7 +8,7 @@ in the checkpoints: `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_backends.native.layers import TensorParallelAllReduce
+from model_backends.native.layers import ExpertShard, TensorParallelAllReduce, ep_rank_and_size
 from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
 from model_backends.native.qwen3 import Qwen3Attention
 from vllm_mindspore.ops import RMSNorm
@@ -39,11 +39,12 @@ class Qwen3MoeSparseMoeBlock(nn.Cell):
     def __init__(self, config, dtype):
         super().__init__()
         # Experts split over TP ranks like dense MLPs; one all-reduce after combining them.
+        shard = ExpertShard.for_rank(config.num_experts)  # expert parallel: a range
         self.experts = nn.CellList([
             LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False)
-            for _ in range(config.num_experts)])
+            for _ in range(shard.count)])
         self.gate = Qwen3MoeTopKRouter(config, dtype)
-        self.dispatch = MoEDispatch(config.num_experts)
+        self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
 
     def construct(self, hidden):
@@ -75,3 +76,7 @@ class Qwen3MoeDecoderLayer(nn.Cell):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
         return Qwen3MoeDecoderLayer(config, layer_index, block_size, dtype)
+
+    def checkpoint_name_to_param(self, name: str) -> str | None:
+        name = ExpertShard.for_rank(self.config.num_experts).local_name(name)
+        return None if name is None else super().checkpoint_name_to_param(name)

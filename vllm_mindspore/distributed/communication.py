@@ -35,6 +35,14 @@ init()
 """
 
 
+def expert_parallel_across_dp(vllm_config) -> bool:
+    """MoE experts sharded over the ranks of several data-parallel engines: MindSpore's world
+    is then vLLM's whole world, and every engine steps with the same token count."""
+    parallel = vllm_config.parallel_config
+    return (parallel.enable_expert_parallel and vllm_config.model_config.is_moe
+            and parallel.data_parallel_size > 1)
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))

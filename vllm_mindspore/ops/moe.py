@@ -5,6 +5,12 @@ takes its result. Experts stay one Cell (one set of Parameters) each, named like
 (`experts.E.gate_proj.weight`): on CPU slicing a stacked expert Parameter costs more than the
 expert's matmul. The dispatch is a per-expert loop of plain ops (runs on any device): token rows
 of the expert, gather, expert MLP, weighted `tensor_scatter_add` back.
+
+Expert parallel: each rank holds a contiguous range of the routed experts. The ranks' tokens and
+routing are all-gathered (every rank has the same token count: the model runner pads the batch
+across data-parallel engines), each rank runs its experts over all of them, the partial outputs
+are all-reduced and each rank keeps its own rows. AllGather + AllReduce is what runs on CPU
+(mccl has no AlltoAll).
 """
 
 import mindspore as ms
@@ -15,11 +21,30 @@ class MoEDispatch(nn.Cell):
     """hidden [T, D], topk_weights [T, K] float32, topk_ids [T, K] int32, experts (CellList of
     E cells mapping [n, D] -> [n, D]) -> [T, D]: sum over k of weight * expert_k(hidden)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, expert_start: int = 0, ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # experts on this rank
+        self.expert_start = expert_start
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        if ep_size > 1:
+            self.all_gather = ops.AllGather()
+            self.all_reduce = ops.AllReduce()
 
     def construct(self, hidden, topk_weights, topk_ids, experts):
+        if self.ep_size == 1:
+            return self._local_experts(hidden, topk_weights, topk_ids, experts)
+        num_tokens, dim = hidden.shape
+        all_hidden = self.all_gather(hidden)  # [EP * T, D]
+        all_weights = self.all_gather(topk_weights)
+        # Ids travel as float32 (exact for any expert count): int32 collectives are not on CPU.
+        all_ids = self.all_gather(topk_ids.astype(ms.float32)).astype(ms.int32)
+        out = self._local_experts(all_hidden, all_weights, all_ids - self.expert_start, experts)
+        out = self.all_reduce(out.astype(ms.float32))
+        return out.reshape(self.ep_size, num_tokens, dim)[self.ep_rank].astype(hidden.dtype)
+
+    def _local_experts(self, hidden, topk_weights, topk_ids, experts):
+        """Ids outside [0, num_experts) belong to other ranks and select nothing here."""
         num_tokens, dim = hidden.shape
         one_hot = ops.one_hot(topk_ids, self.num_experts, ops.ones((), ms.float32),
                               ops.zeros((), ms.float32))  # [T, K, E]

@@ -25,6 +25,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from model_backends import resolve_model_class, select_backend
 from model_backends.native.weights import load_checkpoint
 from vllm_mindspore import envs
+from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
 
 logger = init_logger("vllm.vllm_mindspore.model_runner")
@@ -80,6 +81,7 @@ class MindSporeModelRunner:
             logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.pad_across_dp = expert_parallel_across_dp(vllm_config)
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -88,9 +90,11 @@ class MindSporeModelRunner:
         model_cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []),
                                         backend.name)
         start = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config):  # vLLM's rope tables read it
+        # vLLM's rope tables and the parallel layout (TP/EP ranks) read the current config.
+        with set_current_vllm_config(self.vllm_config):
             self.model = model_cls(self.model_config.hf_text_config, self.block_size, self.dtype)
-        load_checkpoint(self.model, self.model_config.model, self.model.checkpoint_name_to_param)
+            load_checkpoint(self.model, self.model_config.model,
+                            self.model.checkpoint_name_to_param)
         self.model.set_inputs(*self.model.dynamic_inputs())
         logger.info("Built %s (%s backend, %s) and loaded its weights in %.2f s",
                     model_cls.__name__, backend.name, self.dtype, time.perf_counter() - start)
@@ -202,8 +206,9 @@ class MindSporeModelRunner:
         positions = (num_computed[request_of_token] + np.arange(query_start_loc[-1])
                      - query_start_loc[request_of_token]).astype(np.int32)
         input_ids = batch.token_ids_cpu[request_of_token, positions].astype(np.int32)
-        metadata = AttentionMetadata.build(positions, query_start_loc, num_computed,
-                                           batch.block_table[0].get_numpy_array(), self.block_size)
+        input_ids, positions, metadata = self._tokens_and_metadata(
+            input_ids, positions, query_start_loc, num_computed,
+            batch.block_table[0].get_numpy_array()[:num_reqs])
         logits_index = [query_start_loc[1:] - 1]
         prompt_rows = {}
         for req_id in self.num_prompt_logprobs:
@@ -218,6 +223,45 @@ class MindSporeModelRunner:
             logits_index.append(query_start_loc[index] + np.arange(rows.count, dtype=np.int32))
         return StepInputs(input_ids, positions, np.concatenate(logits_index).astype(np.int32),
                           metadata, query_start_loc, prompt_rows)
+
+    def _tokens_and_metadata(self, input_ids, positions, query_start_loc, num_computed,
+                             block_table):
+        """Attention metadata of the step; with expert parallel across DP engines, the batch is
+        first padded to the largest token count of any engine (the MoE collectives need equal
+        shapes) by one extra request of padding tokens at position 0 in vLLM's null block 0."""
+        pad = self._padding_across_dp(len(input_ids))
+        if pad:
+            zeros = np.zeros(pad, np.int32)
+            input_ids = np.concatenate((input_ids, zeros))
+            positions = np.concatenate((positions, zeros))
+            query_start_loc = np.append(query_start_loc, query_start_loc[-1] + pad)
+            num_computed = np.append(num_computed, 0)
+            block_table = np.vstack((block_table, np.zeros((1, block_table.shape[1]), np.int32)))
+        metadata = AttentionMetadata.build(positions, query_start_loc, num_computed, block_table,
+                                           self.block_size)
+        return input_ids, positions, metadata
+
+    def _padding_across_dp(self, num_tokens: int) -> int:
+        if not self.pad_across_dp:
+            return 0
+        from vllm.distributed.parallel_state import get_dp_group
+
+        most = torch.tensor([num_tokens], dtype=torch.int64)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX,
+                                     group=get_dp_group().cpu_group)
+        return max(int(most.item()), 1) - num_tokens
+
+    def execute_dummy_batch(self) -> None:
+        """Step of an idle DP engine while others run: the same collectives, no real token."""
+        if not self.pad_across_dp:
+            return
+        empty = np.zeros(0, np.int32)
+        block_table = np.zeros((0, self.input_batch.block_table[0].get_numpy_array().shape[1]),
+                               np.int32)
+        input_ids, positions, metadata = self._tokens_and_metadata(
+            empty, empty, np.zeros(1, np.int32), empty, block_table)
+        self._forward(StepInputs(input_ids, positions, np.zeros(1, np.int32), metadata,
+                                 np.zeros(1, np.int32), {}))
 
     # ---- step ----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:

@@ -8,7 +8,8 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_mindspore import envs
-from vllm_mindspore.distributed.communication import init_communication, shutdown_communication
+from vllm_mindspore.distributed.communication import (expert_parallel_across_dp,
+                                                       init_communication, shutdown_communication)
 from vllm_mindspore.platform import ASCEND, DEVICE
 
 logger = init_logger("vllm.vllm_mindspore.worker")
@@ -24,12 +25,12 @@ def _host_of(init_method: str) -> str:
     return "127.0.0.1"
 
 
-def init_mindspore(local_rank: int) -> None:
+def init_mindspore(device_index: int) -> None:
     os.environ.setdefault("GLOG_v", "3")  # read once, at `import mindspore`
     import mindspore as ms
 
     if DEVICE == ASCEND:
-        ms.set_device("Ascend", local_rank)
+        ms.set_device("Ascend", device_index)
     else:
         ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -47,12 +48,21 @@ class MindSporeWorker(WorkerBase):
                                      self.local_rank, "gloo")
         ensure_model_parallel_initialized(parallel.tensor_parallel_size,
                                           parallel.pipeline_parallel_size)
-        init_mindspore(self.local_rank)
-        from vllm.distributed.parallel_state import get_tp_group
+        init_mindspore(parallel.get_local_gpu_index(self.local_rank))
+        from vllm.distributed.parallel_state import get_tp_group, get_world_group
 
-        tp_group = get_tp_group()
-        init_communication(tp_group.rank_in_group, tp_group.world_size, tp_group.cpu_group,
-                           _host_of(self.distributed_init_method), DEVICE)
+        if expert_parallel_across_dp(self.vllm_config):
+            # Experts are dispatched across every DP x TP rank: MindSpore's world is vLLM's.
+            if parallel.tensor_parallel_size > 1:
+                raise NotImplementedError(
+                    "Expert parallel across data-parallel engines with tensor_parallel_size > 1 is "
+                    "not implemented yet in vllm-mindspore: use --tensor-parallel-size 1 with "
+                    "--data-parallel-size N --enable-expert-parallel, or drop "
+                    "--enable-expert-parallel.")
+            group, host = get_world_group(), parallel.data_parallel_master_ip
+        else:
+            group, host = get_tp_group(), _host_of(self.distributed_init_method)
+        init_communication(group.rank_in_group, group.world_size, group.cpu_group, host, DEVICE)
         from vllm_mindspore.worker.model_runner import MindSporeModelRunner
 
         self.model_runner = MindSporeModelRunner(self.vllm_config)
@@ -125,7 +135,8 @@ class MindSporeWorker(WorkerBase):
         return None
 
     def execute_dummy_batch(self) -> None:
-        return None
+        """An idle data-parallel engine's step while others run: MoE collectives need it."""
+        self.model_runner.execute_dummy_batch()
 
     def profile(self, is_start: bool = True, profile_prefix=None):
         return None
