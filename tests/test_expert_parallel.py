@@ -4,7 +4,9 @@ dispatched with AllGather + AllReduce over MindSpore's mccl. Tokens equal EP off
 
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import PROMPTS, free_port
+import pytest
+
+from conftest import PROMPTS, Server, free_port
 from test_moe_models import MODELS, finish_deepseek_checkpoint
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
@@ -23,15 +25,30 @@ def greedy(server, model):
         return list(pool.map(one, PROMPTS))
 
 
-def test_dp2_expert_parallel_matches_ep_off(serve, tiny_model_factory):
+@pytest.fixture(scope="module")
+def deepseek(tiny_model_factory):
     arch, overrides = MODELS["deepseek-v3-q-lora"]
     model = tiny_model_factory(arch, **overrides)
     finish_deepseek_checkpoint(model)
-    single = serve(model, *ARGS)
-    expected = greedy(single, model)
-    single.stop()
+    return model
 
-    dp = ("--data-parallel-size", "2", "--data-parallel-size-local", "1",
+
+@pytest.fixture(scope="module")
+def ep_off_tokens(deepseek, tmp_path_factory):
+    server = Server(deepseek, list(ARGS), str(tmp_path_factory.mktemp("ep_off") / "server.log"))
+    try:
+        return greedy(server.wait_ready(), deepseek)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
+    """tp=2 is the user guide's DP x TP x EP layout (DP4/TP4/EP4) scaled down: 4 ranks, each
+    engine's TP ranks a MindSpore subgroup of the expert-parallel world."""
+    model = deepseek
+    dp = ("--tensor-parallel-size", str(tp), "--data-parallel-size", "2",
+          "--data-parallel-size-local", "1",
           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port()),
           "--enable-expert-parallel")
     env = {"VLLM_MS_LOG_STEPS": "1"}
@@ -39,8 +56,8 @@ def test_dp2_expert_parallel_matches_ep_off(serve, tiny_model_factory):
     secondary = serve(model, *ARGS, *dp, "--headless", "--data-parallel-start-rank", "1",
                       env=env, wait=False)
     head.wait_ready()
-    assert greedy(head, model) == expected
+    assert greedy(head, model) == ep_off_tokens
     for server in (head, secondary):
         log = server.log_tail(100000)
-        assert "MindSpore communication up: rank" in log and "of 2" in log
+        assert "MindSpore communication up: rank" in log and f"of {2 * tp}" in log
         assert "graph(s)" in log

@@ -93,9 +93,9 @@ class DeepseekV3Attention(nn.Cell):
                                  self.qk_rope_head_dim, config.v_head_dim, scale, block_size)
         self.kv_cache = None
 
-    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
+    def allocate_kv_cache(self, num_blocks: int, dtype, layer_name: str) -> None:
         self.kv_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks), dtype=dtype),
-                                  name="kv_cache", requires_grad=False)
+                                  name=f"{layer_name}.kv_cache", requires_grad=False)
 
     def construct(self, positions, hidden, attn_metadata):
         num_tokens = hidden.shape[0]
@@ -169,11 +169,14 @@ class DeepseekV3MoE(nn.Cell):
 
     def __init__(self, config, dtype):
         super().__init__()
-        # Each expert's intermediate features are split over TP ranks; the partial sums of all
-        # experts (and the shared ones) are reduced once, after combining.
-        shard = ExpertShard.for_rank(config.n_routed_experts)  # expert parallel: a range
+        # Without expert parallel each expert's intermediate features are split over TP ranks
+        # and the partial sums of all experts (and the shared ones) are reduced once, after
+        # combining. With it, each rank holds whole experts and the dispatch returns full sums.
+        shard = ExpertShard.for_rank(config.n_routed_experts)
+        self.expert_parallel = ep_rank_and_size()[1] > 1
         self.experts = nn.CellList([
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False)
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False,
+                     tp_split=not self.expert_parallel)
             for _ in range(shard.count)])
         self.gate = DeepseekV3TopkRouter(config, dtype)
         self.has_shared = bool(config.n_shared_experts)
@@ -186,10 +189,12 @@ class DeepseekV3MoE(nn.Cell):
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)
-        out = self.dispatch(hidden, weights, expert_ids, self.experts)
-        if self.has_shared:
-            out = out + self.shared_experts(hidden)
-        return self.reduce(out)
+        routed = self.dispatch(hidden, weights, expert_ids, self.experts)
+        if not self.has_shared:
+            return routed if self.expert_parallel else self.reduce(routed)
+        if self.expert_parallel:
+            return routed + self.reduce(self.shared_experts(hidden))
+        return self.reduce(routed + self.shared_experts(hidden))
 
 
 class DeepseekV3DecoderLayer(nn.Cell):

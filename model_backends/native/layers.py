@@ -11,6 +11,9 @@ from typing import NamedTuple
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
+from vllm_mindspore.distributed.communication import tp_group
+from vllm_mindspore.platform import CPU, DEVICE
+
 
 class ShardSpec(NamedTuple):
     """This rank holds checkpoint[start:start + size] along `dim` (the parameter may be longer
@@ -131,7 +134,7 @@ class TensorParallelAllReduce(nn.Cell):
 
     def __init__(self):
         super().__init__()
-        self.all_reduce = ops.AllReduce() if tp_rank_and_size()[1] > 1 else None
+        self.all_reduce = ops.AllReduce(group=tp_group()) if tp_rank_and_size()[1] > 1 else None
 
     def construct(self, x):
         return x if self.all_reduce is None else self.all_reduce(x)
@@ -187,7 +190,7 @@ class VocabParallelEmbedding(nn.Cell):
         self.weight = _empty((per_rank, embedding_dim), dtype)
         tp_size = tp_rank_and_size()[1]
         self.shards = {"weight": shard} if tp_size > 1 else {}
-        self.all_reduce = ops.AllReduce() if tp_size > 1 else None
+        self.all_reduce = ops.AllReduce(group=tp_group()) if tp_size > 1 else None
 
     def construct(self, ids):
         if self.all_reduce is None:
@@ -200,29 +203,47 @@ class VocabParallelEmbedding(nn.Cell):
 
 class ParallelLMHead(nn.Cell):
     """hidden [N, H] -> logits [N, vocab] in float32; the vocabulary is split like
-    VocabParallelEmbedding (whose weight it reuses when embeddings are tied)."""
+    VocabParallelEmbedding (whose weight it reuses when embeddings are tied).
+
+    The ranks' logit columns are joined with AllGather, or, where MindSpore's CPU backend runs
+    AllGather only on the world group (tensor-parallel subgroups under expert parallel), by
+    placing them in a zero [N, vocab] and all-reducing."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype=ms.float32,
                  tied: VocabParallelEmbedding | None = None):
         super().__init__()
         self.vocab_size = vocab_size
         self.tied = tied
-        self.tp_size = tp_rank_and_size()[1]
+        self.tp_rank, self.tp_size = tp_rank_and_size()
         if tied is None:
             per_rank, shard = vocab_shard(vocab_size)
             self.weight = _empty((per_rank, hidden_size), dtype)
             self.shards = {"weight": shard} if self.tp_size > 1 else {}
         self.matmul = ops.MatMul(transpose_b=True)
-        self.all_gather = ops.AllGather() if self.tp_size > 1 else None
+        self.all_gather = self.all_reduce = None
+        if self.tp_size > 1:
+            from mindspore.communication import GlobalComm
+
+            if DEVICE == CPU and tp_group() != GlobalComm.WORLD_COMM_GROUP:
+                self.all_reduce = ops.AllReduce(group=tp_group())
+            else:
+                self.all_gather = ops.AllGather(group=tp_group())
 
     def construct(self, hidden):
         weight = self.tied.weight if self.tied is not None else self.weight
         logits = self.matmul(hidden, weight).astype(ms.float32)  # [N, vocab / tp]
-        if self.all_gather is None:
-            return logits[:, : self.vocab_size]
         num_rows, per_rank = logits.shape
-        logits = self.all_gather(logits).reshape(self.tp_size, num_rows, per_rank)
-        logits = logits.transpose(1, 0, 2).reshape(num_rows, self.tp_size * per_rank)
+        if self.all_gather is not None:
+            logits = self.all_gather(logits).reshape(self.tp_size, num_rows, per_rank)
+            logits = logits.transpose(1, 0, 2).reshape(num_rows, self.tp_size * per_rank)
+        elif self.all_reduce is not None:
+            pieces = [logits]
+            if self.tp_rank > 0:
+                pieces.insert(0, mint.zeros((num_rows, self.tp_rank * per_rank), dtype=ms.float32))
+            if self.tp_rank < self.tp_size - 1:
+                pieces.append(mint.zeros((num_rows, (self.tp_size - 1 - self.tp_rank) * per_rank),
+                                         dtype=ms.float32))
+            logits = self.all_reduce(mint.cat(pieces, 1))
         return logits[:, : self.vocab_size]
 
 

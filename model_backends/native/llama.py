@@ -9,7 +9,8 @@ The forward takes vLLM's packed token batch and returns logits only for `logits_
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_backends.native.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+from model_backends.native.layers import (ColumnParallelLinear, Linear, ParallelLMHead,
+                                          RowParallelLinear,
                                           ShardSpec, SiluAndMul, VocabParallelEmbedding,
                                           even_split, tp_rank_and_size)
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
@@ -55,11 +56,12 @@ class LlamaAttention(nn.Cell):
         self.key_cache = None
         self.value_cache = None
 
-    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
+    def allocate_kv_cache(self, num_blocks: int, dtype, layer_name: str) -> None:
         self.key_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks), dtype=dtype),
-                                   name="key_cache", requires_grad=False)
+                                   name=f"{layer_name}.key_cache", requires_grad=False)
         self.value_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks, value=True),
-                                                dtype=dtype), name="value_cache", requires_grad=False)
+                                                dtype=dtype), name=f"{layer_name}.value_cache",
+                                     requires_grad=False)
 
     def construct(self, positions, hidden, attn_metadata):
         num_tokens = hidden.shape[0]
@@ -76,15 +78,21 @@ class LlamaAttention(nn.Cell):
 
 class LlamaMLP(nn.Cell):
     """x [T, hidden] -> [T, hidden]; the intermediate features are split over TP ranks
-    (`reduce_results=False` leaves the partial sums for the caller to all-reduce)."""
+    (`reduce_results=False` leaves the partial sums for the caller to all-reduce), or not at all
+    with `tp_split=False` (an expert that lives whole on one expert-parallel rank)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype,
-                 reduce_results: bool = True):
+                 reduce_results: bool = True, tp_split: bool = True):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype,
-                                           reduce_results)
+        if tp_split:
+            self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
+            self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, dtype)
+            self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype,
+                                               reduce_results)
+        else:
+            self.gate_proj = Linear(hidden_size, intermediate_size, False, dtype)
+            self.up_proj = Linear(hidden_size, intermediate_size, False, dtype)
+            self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
         self.act = SiluAndMul()
 
     def construct(self, x):
@@ -168,8 +176,8 @@ class LlamaForCausalLM(nn.Cell):
         return {name: spec for name in self.attention_layers()}
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        for layer in self.attention_layers().values():
-            layer.allocate_kv_cache(num_blocks, self.dtype)
+        for name, layer in self.attention_layers().items():
+            layer.allocate_kv_cache(num_blocks, self.dtype, name)
 
     # ---- weights ---------------------------------------------------------------------------
     def checkpoint_name_to_param(self, name: str) -> str | None:

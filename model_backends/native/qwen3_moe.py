@@ -38,10 +38,14 @@ class Qwen3MoeTopKRouter(nn.Cell):
 class Qwen3MoeSparseMoeBlock(nn.Cell):
     def __init__(self, config, dtype):
         super().__init__()
-        # Experts split over TP ranks like dense MLPs; one all-reduce after combining them.
-        shard = ExpertShard.for_rank(config.num_experts)  # expert parallel: a range
+        # Without expert parallel, experts are split over TP ranks like dense MLPs with one
+        # all-reduce after combining them; with it, each rank holds whole experts and the
+        # dispatch returns full sums.
+        shard = ExpertShard.for_rank(config.num_experts)
+        self.expert_parallel = ep_rank_and_size()[1] > 1
         self.experts = nn.CellList([
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False)
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False,
+                     tp_split=not self.expert_parallel)
             for _ in range(shard.count)])
         self.gate = Qwen3MoeTopKRouter(config, dtype)
         self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
@@ -49,7 +53,8 @@ class Qwen3MoeSparseMoeBlock(nn.Cell):
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)
-        return self.reduce(self.dispatch(hidden, weights, expert_ids, self.experts))
+        routed = self.dispatch(hidden, weights, expert_ids, self.experts)
+        return routed if self.expert_parallel else self.reduce(routed)
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:

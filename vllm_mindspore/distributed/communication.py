@@ -21,6 +21,7 @@ from vllm_mindspore import envs
 logger = init_logger("vllm.vllm_mindspore.communication")
 
 _scheduler: subprocess.Popen | None = None
+_tp_group: str | None = None  # MindSpore group of this rank's tensor-parallel ranks
 
 # Runs in a fresh interpreter: never a fork of a process that has run MindSpore.
 _SCHEDULER_PROGRAM = r"""
@@ -69,9 +70,13 @@ def _start_scheduler(host: str, port: int, world_size: int, device: str) -> None
                                   stderr=subprocess.DEVNULL, close_fds=True)
 
 
-def init_communication(rank: int, world_size: int, cpu_group, host: str, device: str) -> None:
+def init_communication(rank: int, world_size: int, cpu_group, host: str, device: str,
+                       tp_ranks: list[int]) -> None:
     """Join MindSpore's collective world as `rank` of `world_size` (call after MindSpore's
-    device is set). `cpu_group` is vLLM's gloo group over the same ranks."""
+    device is set). `cpu_group` is vLLM's gloo group over the same ranks; `tp_ranks` are this
+    rank's tensor-parallel peers in that world (a subgroup when the world spans several
+    data-parallel engines)."""
+    global _tp_group
     if world_size == 1:
         return
     start = time.perf_counter()
@@ -94,12 +99,26 @@ def init_communication(rank: int, world_size: int, cpu_group, host: str, device:
     if (get_rank(), get_group_size()) != (rank, world_size):
         raise RuntimeError(f"MindSpore assigned rank {get_rank()} of {get_group_size()}, "
                            f"vLLM expected rank {rank} of {world_size}.")
+    if 1 < len(tp_ranks) < world_size:
+        from mindspore.communication import create_group
+
+        _tp_group = "tp_" + "_".join(map(str, tp_ranks))
+        create_group(_tp_group, list(tp_ranks))
     # MindSpore's exit-time finalize waits for the scheduler and every peer; after vLLM's own
     # shutdown that wait can only hang, so the process leaves directly (registered last: runs
     # first).
     atexit.register(_exit_now)
     logger.info("MindSpore communication up: rank %d of %d via %s:%d in %.1f s", rank,
                 world_size, host, port, time.perf_counter() - start)
+
+
+def tp_group() -> str:
+    """MindSpore group name for tensor-parallel collectives."""
+    if _tp_group is not None:
+        return _tp_group
+    from mindspore.communication import GlobalComm
+
+    return GlobalComm.WORLD_COMM_GROUP
 
 
 def _exit_now() -> None:

@@ -116,15 +116,27 @@ class MindSporeModelRunner:
                                            block_table, self.block_size)
         inputs = StepInputs(np.zeros(4, np.int32), positions, np.array([0, 3], np.int32), metadata,
                             query_start_loc, {})
+        self.model.compile(*self._graph_inputs(inputs))
+        # Ranks compile at their own pace; MindSpore's collectives time out long before a slow
+        # peer's compile ends, so every rank waits here (vLLM's gloo world group) before the
+        # first collective runs.
+        from vllm.distributed.parallel_state import get_world_group
+
+        if get_world_group().world_size > 1:
+            torch.distributed.barrier(group=get_world_group().cpu_group)
         self._forward(inputs)
         seconds = time.perf_counter() - start
         logger.info("Compiled the model graph in %.2f s", seconds)
         return seconds
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    @staticmethod
+    def _graph_inputs(inputs: StepInputs) -> tuple:
         as_tensor = ms.Tensor.from_numpy
-        logits = self.model(as_tensor(inputs.input_ids), as_tensor(inputs.positions),
-                            as_tensor(inputs.logits_index), *inputs.attn_metadata.tensors())
+        return (as_tensor(inputs.input_ids), as_tensor(inputs.positions),
+                as_tensor(inputs.logits_index), *inputs.attn_metadata.tensors())
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        logits = self.model(*self._graph_inputs(inputs))
         compiles = len(self.model.compile_cache)
         if compiles != self.num_compiles:
             if self.num_compiles:

@@ -51,18 +51,15 @@ class MindSporeWorker(WorkerBase):
         init_mindspore(parallel.get_local_gpu_index(self.local_rank))
         from vllm.distributed.parallel_state import get_tp_group, get_world_group
 
+        tp = get_tp_group()
         if expert_parallel_across_dp(self.vllm_config):
-            # Experts are dispatched across every DP x TP rank: MindSpore's world is vLLM's.
-            if parallel.tensor_parallel_size > 1:
-                raise NotImplementedError(
-                    "Expert parallel across data-parallel engines with tensor_parallel_size > 1 is "
-                    "not implemented yet in vllm-mindspore: use --tensor-parallel-size 1 with "
-                    "--data-parallel-size N --enable-expert-parallel, or drop "
-                    "--enable-expert-parallel.")
+            # Experts are dispatched across every DP x TP rank: MindSpore's world is vLLM's,
+            # with each engine's TP ranks as a subgroup.
             group, host = get_world_group(), parallel.data_parallel_master_ip
         else:
-            group, host = get_tp_group(), _host_of(self.distributed_init_method)
-        init_communication(group.rank_in_group, group.world_size, group.cpu_group, host, DEVICE)
+            group, host = tp, _host_of(self.distributed_init_method)
+        init_communication(group.rank_in_group, group.world_size, group.cpu_group, host, DEVICE,
+                           [group.ranks.index(r) for r in tp.ranks])
         from vllm_mindspore.worker.model_runner import MindSporeModelRunner
 
         self.model_runner = MindSporeModelRunner(self.vllm_config)
