@@ -101,7 +101,7 @@ def test_unreachable_peer_fails_with_clear_error_within_timeout(tmp_path):
         import mindspore as ms
         ms.set_device("CPU")
         from vllm_mindspore.distributed.communication import init_communication
-        init_communication(0, 2, dist.group.WORLD, "127.0.0.1", "CPU")
+        init_communication(0, 2, dist.group.WORLD, "127.0.0.1", "CPU", [0, 1])
     """)
     start = time.time()
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

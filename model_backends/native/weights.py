@@ -40,7 +40,7 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def _read(handle, name: str, shard: ShardSpec | None) -> torch.Tensor:
+def _read(handle, name: str, shard: ShardSpec | None, model_dir: str) -> torch.Tensor:
     """The whole tensor, or only this rank's slice of it (read straight from the file)."""
     if shard is None:
         return handle.get_tensor(name)
@@ -48,8 +48,10 @@ def _read(handle, name: str, shard: ShardSpec | None) -> torch.Tensor:
     full = part.get_shape()
     if shard.dim >= len(full) or shard.start + shard.size > full[shard.dim]:
         raise WeightLoadError(
-            f"Checkpoint tensor {name!r} has shape {tuple(full)}: too small for this rank's "
-            f"slice {shard.start}:{shard.start + shard.size} along dim {shard.dim}.")
+            f"Checkpoint tensor {name!r} has shape {tuple(full)}, too small for rows "
+            f"{shard.start}:{shard.start + shard.size} along dim {shard.dim} of the model built "
+            f"from config.json: config.json and the weights in {model_dir!r} do not belong "
+            "together.")
     index = tuple([slice(None)] * shard.dim + [slice(shard.start, shard.start + shard.size)])
     return part[index]
 
@@ -77,7 +79,7 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
                 if param is None:
                     unexpected.append(ckpt_name)
                     continue
-                _assign(param, _read(handle, ckpt_name, shards.get(name)), ckpt_name,
+                _assign(param, _read(handle, ckpt_name, shards.get(name), model_dir), ckpt_name,
                         shards.get(name), model_dir)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
