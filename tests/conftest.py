@@ -221,6 +221,21 @@ class Server:
         self.log.close()
 
 
+def greedy_tokens(server: Server, model: str, prompts: list[str], max_tokens: int = 8):
+    """Greedy completions of `prompts` submitted together (so vLLM batches them): token ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = server.client()
+
+    def one(prompt):
+        return client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
 @pytest.fixture
 def serve(tmp_path):
     """serve(model, *args) -> a ready Server; every server is stopped at teardown."""

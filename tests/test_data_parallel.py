@@ -2,30 +2,16 @@
 --data-parallel-size 2 --data-parallel-size-local 1 and a `--headless` secondary with
 --data-parallel-start-rank 1, on one machine. Requests reach both engines; tokens equal DP=1."""
 
-from concurrent.futures import ThreadPoolExecutor
-
-from conftest import PROMPTS, free_port
+from conftest import PROMPTS, free_port, greedy_tokens
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
         str(16 << 20))
 
 
-def greedy(server, model, prompts):
-    client = server.client()
-
-    def one(prompt):
-        return client.completions.create(
-            model=model, prompt=prompt, max_tokens=8, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
 def test_dp2_headless_matches_dp1(serve, tiny_model_factory):
     model = tiny_model_factory("Qwen2ForCausalLM")
     single = serve(model, *ARGS)
-    expected = greedy(single, model, PROMPTS * 2)
+    expected = greedy_tokens(single, model, PROMPTS * 2)
     single.stop()
 
     rpc_port = str(free_port())
@@ -36,7 +22,7 @@ def test_dp2_headless_matches_dp1(serve, tiny_model_factory):
     secondary = serve(model, *ARGS, *dp, "--headless", "--data-parallel-start-rank", "1",
                       env=env, wait=False)
     head.wait_ready()
-    assert greedy(head, model, PROMPTS * 2) == expected
+    assert greedy_tokens(head, model, PROMPTS * 2) == expected
     head_log, secondary_log = head.log_tail(100000), secondary.log_tail(100000)
     assert "graph(s)" in head_log, "the head's engine (DP rank 0) ran no step"
     assert "graph(s)" in secondary_log, "the headless engine (DP rank 1) ran no step"

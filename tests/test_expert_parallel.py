@@ -2,27 +2,13 @@
 (head + `--headless` secondary), `--enable-expert-parallel`, routed experts split between them,
 dispatched with AllGather + AllReduce over MindSpore's mccl. Tokens equal EP off."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from conftest import PROMPTS, Server, free_port
+from conftest import PROMPTS, Server, free_port, greedy_tokens
 from test_moe_models import MODELS, finish_deepseek_checkpoint
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
         str(8 << 20), "--block-size", "16")
-
-
-def greedy(server, model):
-    client = server.client()
-
-    def one(prompt):
-        return client.completions.create(
-            model=model, prompt=prompt, max_tokens=8, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, PROMPTS))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +23,7 @@ def deepseek(tiny_model_factory):
 def ep_off_tokens(deepseek, tmp_path_factory):
     server = Server(deepseek, list(ARGS), str(tmp_path_factory.mktemp("ep_off") / "server.log"))
     try:
-        return greedy(server.wait_ready(), deepseek)
+        return greedy_tokens(server.wait_ready(), deepseek, PROMPTS)
     finally:
         server.stop()
 
@@ -56,7 +42,7 @@ def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
     secondary = serve(model, *ARGS, *dp, "--headless", "--data-parallel-start-rank", "1",
                       env=env, wait=False)
     head.wait_ready()
-    assert greedy(head, model) == ep_off_tokens
+    assert greedy_tokens(head, model, PROMPTS) == ep_off_tokens
     for server in (head, secondary):
         log = server.log_tail(100000)
         assert "MindSpore communication up: rank" in log and f"of {2 * tp}" in log

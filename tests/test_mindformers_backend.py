@@ -5,7 +5,7 @@ overridden by the CLI, and bad YAMLs stop the server before any worker starts.""
 import os
 
 import pytest
-from conftest import PROMPTS, ROOT
+from conftest import PROMPTS, ROOT, greedy_tokens
 
 SMALL = os.path.join(ROOT, "yaml_configs", "small")
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(16 << 20))
@@ -16,13 +16,6 @@ def qwen2(tiny_model_factory):
     return tiny_model_factory("Qwen2ForCausalLM")  # the shape of predict_qwen2_tiny.yaml
 
 
-def greedy_tokens(server, model):
-    client = server.client()
-    return [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True}
-                                      ).choices[0].token_ids for p in PROMPTS]
-
-
 def mindformers_env(yaml_name):
     return {"vLLM_MODEL_BACKEND": "MindFormers",
             "MINDFORMERS_MODEL_CONFIG": os.path.join(SMALL, yaml_name)}
@@ -30,12 +23,12 @@ def mindformers_env(yaml_name):
 
 def test_mindformers_backend_serves_native_tokens(serve, qwen2):
     native = serve(qwen2, *ARGS, env={"vLLM_MODEL_BACKEND": "native"})
-    expected = greedy_tokens(native, qwen2)
+    expected = greedy_tokens(native, qwen2, PROMPTS)
     native.stop()
     assert "Model backend: Native (vLLM_MODEL_BACKEND=native)" in native.log_tail(100000)
 
     server = serve(qwen2, *ARGS, env=mindformers_env("predict_qwen2_tiny.yaml"))
-    assert greedy_tokens(server, qwen2) == expected
+    assert greedy_tokens(server, qwen2, PROMPTS) == expected
     log = server.log_tail(100000)
     assert "Model backend: MindFormers (vLLM_MODEL_BACKEND=MindFormers)" in log
     assert "native MindSpore implementation, configured from the YAML" in log
@@ -46,7 +39,7 @@ def test_cli_tensor_parallel_size_overrides_model_parallel(serve, qwen2):
     """predict_qwen2_tiny_tp2.yaml sets model_parallel: 2; --tensor-parallel-size 1 wins."""
     server = serve(qwen2, *ARGS, "--tensor-parallel-size", "1",
                    env=mindformers_env("predict_qwen2_tiny_tp2.yaml"))
-    assert len(greedy_tokens(server, qwen2)[0]) == 8
+    assert len(greedy_tokens(server, qwen2, PROMPTS)[0]) == 8
     assert ("tensor_parallel_size=1 (given explicitly) overrides parallel_config.model_parallel=2"
             in server.log_tail(100000))
 
