@@ -15,13 +15,12 @@ import re
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_backends.native.layers import (ColumnParallelLinear, Linear, RowParallelLinear,
-                                          ExpertShard, TensorParallelAllReduce,
-                                          ep_rank_and_size, tp_rank_and_size)
+from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Linear,
+                                          RowParallelLinear, tp_rank_and_size)
 from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
+from model_backends.native.moe import RoutedExperts
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.mla import MLAAttention
-from vllm_mindspore.ops.moe import MoEDispatch
 
 # HF's DeepseekV3RMSNorm default: q_a_layernorm / kv_a_layernorm are built without the config eps.
 _LORA_NORM_EPS = 1e-6
@@ -164,37 +163,24 @@ class DeepseekV3TopkRouter(nn.Cell):
         return weights * self.routed_scaling_factor, topk_ids.astype(ms.int32)
 
 
-class DeepseekV3MoE(nn.Cell):
+class DeepseekV3MoE(RoutedExperts):
     """hidden [T, hidden] -> routed experts (weighted) + shared experts."""
 
     def __init__(self, config, dtype):
-        super().__init__()
-        # Without expert parallel each expert's intermediate features are split over TP ranks
-        # and the partial sums of all experts (and the shared ones) are reduced once, after
-        # combining. With it, each rank holds whole experts and the dispatch returns full sums.
-        shard = ExpertShard.for_rank(config.n_routed_experts)
-        self.expert_parallel = ep_rank_and_size()[1] > 1
-        self.experts = nn.CellList([
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False,
-                     tp_split=not self.expert_parallel)
-            for _ in range(shard.count)])
+        super().__init__(config.n_routed_experts, config.hidden_size,
+                         config.moe_intermediate_size, dtype)
         self.gate = DeepseekV3TopkRouter(config, dtype)
         self.has_shared = bool(config.n_shared_experts)
         if self.has_shared:
             self.shared_experts = LlamaMLP(
                 config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, dtype,
                 reduce_results=False)
-        self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
-        self.reduce = TensorParallelAllReduce()
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)
-        routed = self.dispatch(hidden, weights, expert_ids, self.experts)
         if not self.has_shared:
-            return routed if self.expert_parallel else self.reduce(routed)
-        if self.expert_parallel:
-            return routed + self.reduce(self.shared_experts(hidden))
-        return self.reduce(routed + self.shared_experts(hidden))
+            return self.routed(hidden, weights, expert_ids)
+        return self.routed_plus_shared(hidden, weights, expert_ids, self.shared_experts(hidden))
 
 
 class DeepseekV3DecoderLayer(nn.Cell):

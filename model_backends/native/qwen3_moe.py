@@ -8,11 +8,11 @@ in the checkpoints: `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_backends.native.layers import ExpertShard, TensorParallelAllReduce, ep_rank_and_size
+from model_backends.native.layers import ExpertShard
 from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
+from model_backends.native.moe import RoutedExperts
 from model_backends.native.qwen3 import Qwen3Attention
 from vllm_mindspore.ops import RMSNorm
-from vllm_mindspore.ops.moe import MoEDispatch
 
 
 class Qwen3MoeTopKRouter(nn.Cell):
@@ -35,26 +35,15 @@ class Qwen3MoeTopKRouter(nn.Cell):
         return weights, expert_ids.astype(ms.int32)
 
 
-class Qwen3MoeSparseMoeBlock(nn.Cell):
+class Qwen3MoeSparseMoeBlock(RoutedExperts):
     def __init__(self, config, dtype):
-        super().__init__()
-        # Without expert parallel, experts are split over TP ranks like dense MLPs with one
-        # all-reduce after combining them; with it, each rank holds whole experts and the
-        # dispatch returns full sums.
-        shard = ExpertShard.for_rank(config.num_experts)
-        self.expert_parallel = ep_rank_and_size()[1] > 1
-        self.experts = nn.CellList([
-            LlamaMLP(config.hidden_size, config.moe_intermediate_size, dtype, reduce_results=False,
-                     tp_split=not self.expert_parallel)
-            for _ in range(shard.count)])
+        super().__init__(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                         dtype)
         self.gate = Qwen3MoeTopKRouter(config, dtype)
-        self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
-        self.reduce = TensorParallelAllReduce()
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)
-        routed = self.dispatch(hidden, weights, expert_ids, self.experts)
-        return routed if self.expert_parallel else self.reduce(routed)
+        return self.routed(hidden, weights, expert_ids)
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
