@@ -161,17 +161,6 @@ class RowParallelLinear(Linear):
         return y
 
 
-class Embedding(nn.Cell):
-    """ids: [T] -> [T, hidden], the whole table on every rank."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=ms.float32):
-        super().__init__()
-        self.weight = _empty((num_embeddings, embedding_dim), dtype)
-
-    def construct(self, ids):
-        return ops.gather(self.weight, ids, 0)
-
-
 def vocab_shard(vocab_size: int) -> tuple[int, ShardSpec]:
     """(rows per rank, this rank's ShardSpec) of a vocabulary split over TP ranks."""
     rank, size = tp_rank_and_size()
