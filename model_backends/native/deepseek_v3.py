@@ -17,7 +17,7 @@ from mindspore import Parameter, mint, nn, ops
 
 from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Linear,
                                           RowParallelLinear, tp_rank_and_size)
-from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
+from model_backends.native.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from model_backends.native.moe import RoutedExperts
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.mla import MLAAttention
@@ -113,9 +113,13 @@ class DeepseekV3Attention(nn.Cell):
             k_pe = mint.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         latent = mint.cat((latent, k_pe.reshape(num_tokens, self.qk_rope_head_dim)), dim=-1)
-        out = self.attn(q_nope, q_pe, latent, self.kv_b_proj.weight, self.kv_cache,
-                        *attn_metadata)
+        out = self.attn(q_nope, q_pe, latent, self.kv_cache, *attn_metadata)
         return self.o_proj(out)
+
+    def process_weights_after_loading(self, prefix: str) -> None:
+        """kv_b_proj only ever runs absorbed into q and o: split it once, then drop it."""
+        self.attn.absorb_kv_b(self.kv_b_proj.weight, f"{prefix}.attn")
+        self.kv_b_proj = None
 
 
 class DeepseekV3TopkRouter(nn.Cell):
@@ -183,28 +187,20 @@ class DeepseekV3MoE(RoutedExperts):
         return self.routed_plus_shared(hidden, weights, expert_ids, self.shared_experts(hidden))
 
 
-class DeepseekV3DecoderLayer(nn.Cell):
-    def __init__(self, config, layer_idx: int, block_size: int, dtype):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = DeepseekV3Attention(config, block_size, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if layer_idx >= config.first_k_dense_replace:
-            self.mlp = DeepseekV3MoE(config, dtype)
-        else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = DeepseekV3Attention
 
-    def construct(self, positions, hidden, attn_metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
+        if layer_index >= config.first_k_dense_replace:
+            return DeepseekV3MoE(config, dtype)
+        return super().make_mlp(config, layer_index, dtype)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """(input_ids [T], positions [T], logits_index [N], *AttentionMetadata) -> logits [N, vocab]
     in float32. One latent KV cache per layer: [slots, kv_lora_rank + qk_rope_head_dim]."""
 
-    def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
-        return DeepseekV3DecoderLayer(config, layer_index, block_size, dtype)
+    decoder_layer_cls = DeepseekV3DecoderLayer
 
     def kv_cache_spec(self, block_size: int, torch_dtype):
         from vllm.v1.kv_cache_interface import MLAAttentionSpec

@@ -100,14 +100,20 @@ class LlamaMLP(nn.Cell):
 
 
 class LlamaDecoderLayer(nn.Cell):
+    """Pre-norm attention + MLP, both residual. Subclasses pick the attention class and, for
+    models whose layers differ by index (dense or MoE), the MLP through `make_mlp`."""
+
     attention_cls = LlamaAttention
 
-    def __init__(self, config, block_size: int, dtype):
+    def __init__(self, config, layer_index: int, block_size: int, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = self.attention_cls(config, block_size, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.mlp = self.make_mlp(config, layer_index, dtype)
+
+    def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
 
     def construct(self, positions, hidden, attn_metadata):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
@@ -115,12 +121,10 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    """`make_layer(config, layer_index, block_size, dtype)` builds each decoder layer."""
-
-    def __init__(self, config, make_layer, block_size: int, dtype):
+    def __init__(self, config, decoder_layer_cls, block_size: int, dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.CellList([make_layer(config, i, block_size, dtype)
+        self.layers = nn.CellList([decoder_layer_cls(config, i, block_size, dtype)
                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -141,15 +145,11 @@ class LlamaForCausalLM(nn.Cell):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, self.make_layer, block_size, dtype)
+        self.model = LlamaModel(config, self.decoder_layer_cls, block_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, dtype,
             tied=self.model.embed_tokens if self.tie_word_embeddings else None)
-
-    def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
-        """Decoder layer `layer_index`; models whose layers differ by index override this."""
-        return self.decoder_layer_cls(config, block_size, dtype)
 
     def construct(self, input_ids, positions, logits_index, slot_mapping, block_tables,
                   query_index, query_positions, token_index):

@@ -9,10 +9,9 @@ import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
 from model_backends.native.layers import ExpertShard
-from model_backends.native.llama import LlamaForCausalLM, LlamaMLP
+from model_backends.native.llama import LlamaForCausalLM
 from model_backends.native.moe import RoutedExperts
-from model_backends.native.qwen3 import Qwen3Attention
-from vllm_mindspore.ops import RMSNorm
+from model_backends.native.qwen3 import Qwen3DecoderLayer
 
 
 class Qwen3MoeTopKRouter(nn.Cell):
@@ -51,25 +50,15 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
             and config.num_experts > 0 and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
 
-class Qwen3MoeDecoderLayer(nn.Cell):
-    def __init__(self, config, layer_idx: int, block_size: int, dtype):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Qwen3Attention(config, block_size, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if is_sparse_layer(config, layer_idx):
-            self.mlp = Qwen3MoeSparseMoeBlock(config, dtype)
-        else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
-
-    def construct(self, positions, hidden, attn_metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
+        if is_sparse_layer(config, layer_index):
+            return Qwen3MoeSparseMoeBlock(config, dtype)
+        return super().make_mlp(config, layer_index, dtype)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def make_layer(self, config, layer_index: int, block_size: int, dtype) -> nn.Cell:
-        return Qwen3MoeDecoderLayer(config, layer_index, block_size, dtype)
+    decoder_layer_cls = Qwen3MoeDecoderLayer
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
         name = ExpertShard.for_rank(self.config.num_experts).local_name(name)

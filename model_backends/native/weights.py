@@ -92,6 +92,15 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
     logger.info("Loaded %d tensors from %s", len(loaded), model_dir)
 
 
+def process_weights_after_loading(model: nn.Cell) -> None:
+    """Let cells derive their compute layout from the checkpoint tensors once they are loaded:
+    each cell with a `process_weights_after_loading(prefix)` method gets its own name prefix."""
+    for prefix, cell in list(model.cells_and_names()):
+        hook = getattr(cell, "process_weights_after_loading", None)
+        if hook is not None:
+            hook(prefix)
+
+
 def _assign(param, tensor: torch.Tensor, ckpt_name: str, shard: ShardSpec | None,
             model_dir: str) -> None:
     expected = list(param.shape)

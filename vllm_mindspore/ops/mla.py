@@ -10,7 +10,8 @@ absorption
 
 is multi-query attention of [q_nope W_UK, q_pe] against the cached latent rows, with the first
 kv_lora_rank channels of the same rows as values. Every token (prefill chunk or decode) takes this
-path, so mixed batches need nothing special; it reads the cache exactly once per layer.
+path, so mixed batches need nothing special; it reads the cache exactly once per layer. W_UK and
+W_UV are split out of `kv_b_proj.weight` once, after loading (`absorb_kv_b`).
 """
 
 import mindspore as ms
@@ -23,8 +24,7 @@ _MASKED = -1e30
 
 class MLAAttention(nn.Cell):
     """q_nope [T, H, dn], q_pe [T, H, dr] (roped), latent [T, r + dr] (c normalised, k_pe roped),
-    kv_b_weight [H * (dn + dv), r] (kv_b_proj.weight), cache from `cache_shape`, then the
-    AttentionMetadata tensors -> out [T, H * dv]."""
+    cache from `cache_shape`, then the AttentionMetadata tensors -> out [T, H * dv]."""
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, scale: float, block_size: int):
@@ -37,6 +37,8 @@ class MLAAttention(nn.Cell):
         self.scale = scale
         self.block_size = block_size
         self.fused = DEVICE == ASCEND
+        self.w_uk = None  # [H, dn, r], from absorb_kv_b
+        self.w_uv = None  # [H, dv, r]
         self.bmm = ops.BatchMatMul()
         self.bmm_nt = ops.BatchMatMul(transpose_b=True)
         if self.fused:
@@ -52,14 +54,19 @@ class MLAAttention(nn.Cell):
         # CPU: one row per slot (block-major), so scatter_update writes rows in place.
         return (num_blocks * self.block_size, self.latent_size)
 
-    def construct(self, q_nope, q_pe, latent, kv_b_weight, cache, slot_mapping, block_tables,
-                  query_index, query_positions, token_index):
-        heads, dn, rank = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
-        kv_b = kv_b_weight.reshape(heads, dn + self.v_head_dim, rank)
-        w_uk = kv_b[:, :dn]  # [H, dn, r]
-        w_uv = kv_b[:, dn:]  # [H, dv, r]
+    def absorb_kv_b(self, kv_b_weight: ms.Tensor, prefix: str) -> None:
+        """kv_b_weight [H * (dn + dv), r] (this rank's heads of kv_b_proj.weight) -> W_UK, W_UV."""
+        kv_b = kv_b_weight.reshape(self.num_heads, -1, self.kv_lora_rank)
+        dn = self.qk_nope_head_dim
+        self.w_uk = ms.Parameter(kv_b[:, :dn].contiguous(), name=f"{prefix}.w_uk",
+                                 requires_grad=False)
+        self.w_uv = ms.Parameter(kv_b[:, dn:].contiguous(), name=f"{prefix}.w_uv",
+                                 requires_grad=False)
+
+    def construct(self, q_nope, q_pe, latent, cache, slot_mapping, block_tables, query_index,
+                  query_positions, token_index):
         # Absorb W_UK into the query: [H, T, dn] x [H, dn, r] -> [T, H, r].
-        q_latent = self.bmm(q_nope.transpose(1, 0, 2), w_uk).transpose(1, 0, 2)
+        q_latent = self.bmm(q_nope.transpose(1, 0, 2), self.w_uk).transpose(1, 0, 2)
         query = mint.cat((q_latent, q_pe), dim=-1)  # [T, H, r + dr]
         if self.fused:
             out_latent = self._ascend(query, latent, cache, slot_mapping, block_tables,
@@ -68,8 +75,8 @@ class MLAAttention(nn.Cell):
             out_latent = self._composite(query, latent, cache, slot_mapping, block_tables,
                                          query_index, query_positions, token_index)
         # Absorb W_UV into the output: [H, T, r] x [H, dv, r]^T -> [T, H * dv].
-        out = self.bmm_nt(out_latent.transpose(1, 0, 2), w_uv).transpose(1, 0, 2)
-        return out.reshape(out.shape[0], heads * self.v_head_dim)
+        out = self.bmm_nt(out_latent.transpose(1, 0, 2), self.w_uv).transpose(1, 0, 2)
+        return out.reshape(out.shape[0], self.num_heads * self.v_head_dim)
 
     def _ascend(self, query, latent, cache, slot_mapping, block_tables, query_index,
                 query_positions, token_index):

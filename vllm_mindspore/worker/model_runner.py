@@ -23,7 +23,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from model_backends import resolve_model_class, select_backend
-from model_backends.native.weights import load_checkpoint
+from model_backends.native.weights import load_checkpoint, process_weights_after_loading
 from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
@@ -95,6 +95,7 @@ class MindSporeModelRunner:
             self.model = model_cls(self.model_config.hf_text_config, self.block_size, self.dtype)
             load_checkpoint(self.model, self.model_config.model,
                             self.model.checkpoint_name_to_param)
+            process_weights_after_loading(self.model)
         self.model.set_inputs(*self.model.dynamic_inputs())
         logger.info("Built %s (%s backend, %s) and loaded its weights in %.2f s",
                     model_cls.__name__, backend.name, self.dtype, time.perf_counter() - start)
