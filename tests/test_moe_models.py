@@ -146,3 +146,41 @@ def test_deepseek_kv_cache_is_the_latent(models):
     for spec in model.kv_cache_spec(BLOCK_SIZE, torch.float32).values():
         assert type(spec).__name__ == "MLAAttentionSpec"
         assert spec.page_size_bytes == BLOCK_SIZE * latent * 4
+
+
+def test_stacked_expert_weights_compute_each_expert(models):
+    """The Ascend grouped-matmul layout built from the loaded experts: for every expert e,
+    silu(x @ w13[e][:, :I]) * (x @ w13[e][:, I:]) @ w2[e] equals that expert's MLP. (The fused
+    kernels themselves need an NPU; this checks the weights they are given.)"""
+    import mindspore as ms
+    import numpy as np
+    from transformers import AutoConfig
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from model_backends.native.deepseek_v3 import DeepseekV3ForCausalLM
+    from model_backends.native.weights import load_checkpoint, process_weights_after_loading
+
+    model_dir = models("deepseek-v3-q-lora")
+    config = AutoConfig.from_pretrained(model_dir)
+    with set_current_vllm_config(VllmConfig()):
+        model = DeepseekV3ForCausalLM(config, BLOCK_SIZE, ms.float32)
+        load_checkpoint(model, model_dir, model.checkpoint_name_to_param)
+        process_weights_after_loading(model)
+    moe = model.model.layers[1].mlp
+    moe.dispatch.stack_experts(moe.experts, "model.layers.1.mlp.dispatch")
+    w13, w2 = moe.dispatch.w13.asnumpy(), moe.dispatch.w2.asnumpy()
+    size = config.moe_intermediate_size
+    assert w13.shape == (config.n_routed_experts, config.hidden_size, 2 * size)
+    assert w2.shape == (config.n_routed_experts, size, config.hidden_size)
+    x = np.random.default_rng(0).standard_normal((5, config.hidden_size)).astype(np.float32)
+    for e, expert in enumerate(moe.experts):
+        gate, up = x @ w13[e][:, :size], x @ w13[e][:, size:]
+        grouped = (gate / (1 + np.exp(-gate)) * up) @ w2[e]
+        np.testing.assert_allclose(grouped, expert(ms.Tensor(x)).asnumpy(), rtol=1e-4, atol=1e-5)
+    # MLA: kv_b_proj was split into the absorbed W_UK / W_UV and dropped.
+    attn = model.model.layers[0].self_attn
+    assert attn.kv_b_proj is None
+    assert tuple(attn.attn.w_uk.shape) == (config.num_attention_heads, config.qk_nope_head_dim,
+                                           config.kv_lora_rank)
+    assert tuple(attn.attn.w_uv.shape) == (config.num_attention_heads, config.v_head_dim,
+                                           config.kv_lora_rank)

@@ -27,6 +27,13 @@ class RoutedExperts(nn.Cell):
         self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
 
+    def process_weights_after_loading(self, prefix: str) -> None:
+        """Where the dispatch runs grouped kernels (Ascend) the experts become its two stacked
+        weights; the per-expert Cells are dropped so the weights are not held twice."""
+        if self.dispatch.grouped:
+            self.dispatch.stack_experts(self.experts, f"{prefix}.dispatch")
+            self.experts = None
+
     def routed(self, hidden, weights, expert_ids):
         """hidden [T, D], weights / expert_ids [T, K] -> routed output [T, D], fully reduced."""
         out = self.dispatch(hidden, weights, expert_ids, self.experts)

@@ -1,25 +1,39 @@
 """Mixture-of-experts dispatch: each token's hidden state through its top-k experts, weighted.
 
 Routing (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) belongs to the model; this op
-takes its result. Experts stay one Cell (one set of Parameters) each, named like the checkpoint
-(`experts.E.gate_proj.weight`): on CPU slicing a stacked expert Parameter costs more than the
-expert's matmul. The dispatch is a per-expert loop of plain ops (runs on any device): token rows
-of the expert, gather, expert MLP, weighted `tensor_scatter_add` back.
+takes its result. The experts are loaded as one Cell each, named like the checkpoint
+(`experts.E.gate_proj.weight`), and computed in one of two ways:
+
+- CPU (any device): a per-expert loop of plain ops: token rows of the expert, gather, expert MLP,
+  weighted `tensor_scatter_add` back. The experts stay separate Cells: on CPU slicing a stacked
+  expert Parameter costs more than the expert's matmul.
+- Ascend: after loading, `stack_experts` turns them into two stacked weights, gate|up
+  `w13 [E, D, 2I]` and down `w2 [E, I, D]`, run by MindSpore's fused MoE kernels:
+  MoeInitRoutingV2 (sort the token copies by expert, count per expert), two GroupedMatmulV4
+  calls over those groups and MoeTokenUnpermute (back to token order, weighted sum over k).
 
 Expert parallel: each rank holds a contiguous range of the routed experts. The ranks' tokens and
 routing are all-gathered (every rank has the same token count: the model runner pads the batch
-across data-parallel engines), each rank runs its experts over all of them, the partial outputs
-are all-reduced and each rank keeps its own rows. AllGather + AllReduce is what runs on CPU
-(mccl has no AlltoAll).
+across data-parallel engines), each rank runs its experts over all of them, and the partial
+outputs are summed over ranks, each rank keeping its own rows: AllReduce and a slice on CPU
+(mccl has neither AlltoAll nor ReduceScatter), ReduceScatter on Ascend. This is used instead of
+an AlltoAll exchange because graph mode needs static shapes: an AlltoAll of the token copies
+must pad every destination's buffer to the worst case (all T*K copies to one rank), K times the
+bytes of the all-gather; AlltoAllV needs the counts on the host (a graph break every layer), and
+the fused MoeDistributeDispatch/Combine kernels accept only EP sizes 16/32/64 on Atlas A2.
 """
 
 import mindspore as ms
 from mindspore import mint, nn, ops
+from mindspore.ops.auto_generate import grouped_matmul_v4
+
+from vllm_mindspore.platform import ASCEND, DEVICE
 
 
 class MoEDispatch(nn.Cell):
-    """hidden [T, D], topk_weights [T, K] float32, topk_ids [T, K] int32, experts (CellList of
-    E cells mapping [n, D] -> [n, D]) -> [T, D]: sum over k of weight * expert_k(hidden)."""
+    """hidden [T, D], topk_weights [T, K] float32, topk_ids [T, K] int32 (global expert ids),
+    experts (CellList of this rank's E cells mapping [n, D] -> [n, D], or None once stacked)
+    -> [T, D]: sum over k of weight * expert_k(hidden)."""
 
     def __init__(self, num_experts: int, expert_start: int = 0, ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
@@ -27,9 +41,25 @@ class MoEDispatch(nn.Cell):
         self.expert_start = expert_start
         self.ep_rank = ep_rank
         self.ep_size = ep_size
+        self.grouped = DEVICE == ASCEND
+        self.w13 = None  # [E, D, 2I] gate | up, from stack_experts
+        self.w2 = None  # [E, I, D]
         if ep_size > 1:
             self.all_gather = ops.AllGather()
-            self.all_reduce = ops.AllReduce()
+            if self.grouped:
+                self.reduce_scatter = ops.ReduceScatter()
+            else:
+                self.all_reduce = ops.AllReduce()
+
+    def stack_experts(self, experts, prefix: str) -> None:
+        """Per-expert gate/up/down Linear weights ([out, in]) -> the grouped kernels' w13, w2."""
+        self.w13 = ms.Parameter(
+            ops.stack([mint.cat((e.gate_proj.weight, e.up_proj.weight), 0).transpose(1, 0)
+                       for e in experts]).contiguous(),
+            name=f"{prefix}.w13", requires_grad=False)
+        self.w2 = ms.Parameter(
+            ops.stack([e.down_proj.weight.transpose(1, 0) for e in experts]).contiguous(),
+            name=f"{prefix}.w2", requires_grad=False)
 
     def construct(self, hidden, topk_weights, topk_ids, experts):
         if self.ep_size == 1:
@@ -40,11 +70,38 @@ class MoEDispatch(nn.Cell):
         # Ids travel as float32 (exact for any expert count): int32 collectives are not on CPU.
         all_ids = self.all_gather(topk_ids.astype(ms.float32)).astype(ms.int32)
         out = self._local_experts(all_hidden, all_weights, all_ids - self.expert_start, experts)
+        if self.grouped:
+            return self.reduce_scatter(out)
         out = self.all_reduce(out.astype(ms.float32))
         return out.reshape(self.ep_size, num_tokens, dim)[self.ep_rank].astype(hidden.dtype)
 
     def _local_experts(self, hidden, topk_weights, topk_ids, experts):
-        """Ids outside [0, num_experts) belong to other ranks and select nothing here."""
+        """Ids outside [0, num_experts) belong to other ranks and contribute nothing here."""
+        if self.grouped:
+            return self._grouped_kernels(hidden, topk_weights, topk_ids)
+        return self._per_expert_loop(hidden, topk_weights, topk_ids, experts)
+
+    def _grouped_kernels(self, hidden, topk_weights, topk_ids):
+        num_experts = self.num_experts
+        foreign = mint.logical_or(topk_ids < 0, topk_ids >= num_experts)
+        # Other ranks' copies all go to one extra group past the local experts: sorted last,
+        # left out of the grouped matmuls, zero-weighted when summed back.
+        topk_ids = ops.select(foreign, ops.full_like(topk_ids, num_experts), topk_ids)
+        topk_weights = ops.select(foreign, ops.zeros_like(topk_weights), topk_weights)
+        sorted_hidden, unsort_map, counts, _ = ops.moe_init_routing_v2(
+            hidden, topk_ids, 0, 0, num_experts + 1, 0, 2, False)
+        counts = counts[:num_experts].astype(ms.int64)
+        gate_up = grouped_matmul_v4([sorted_hidden], [self.w13], group_list=counts, split_item=3,
+                                    group_type=0, group_list_type=1)[0]  # [T * K, 2I]
+        gate, up = mint.split(gate_up, gate_up.shape[-1] // 2, -1)
+        out = grouped_matmul_v4([ops.silu(gate) * up], [self.w2], group_list=counts,
+                                split_item=3, group_type=0, group_list_type=1)[0]  # [T * K, D]
+        # Rows past the local groups are not written by the grouped matmul: clear them.
+        rows = ops.arange(0, out.shape[0], dtype=ms.int64).reshape(-1, 1)
+        out = mint.where(rows < counts.sum(), out, mint.zeros_like(out))
+        return ops.moe_token_unpermute(out, unsort_map, topk_weights.astype(out.dtype))
+
+    def _per_expert_loop(self, hidden, topk_weights, topk_ids, experts):
         num_tokens, dim = hidden.shape
         one_hot = ops.one_hot(topk_ids, self.num_experts, ops.ones((), ms.float32),
                               ops.zeros((), ms.float32))  # [T, K, E]
