@@ -51,3 +51,18 @@ def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
         log = server.log_tail(100000)
         assert "MindSpore communication up: rank" in log and f"of {2 * tp}" in log
         assert "graph(s)" in log
+
+
+def test_mismatched_data_parallel_sizes_stop_both_with_a_clear_error(serve, deepseek):
+    """The head says 2 engines, the secondary 4: nothing hangs, both exit, the head says why."""
+    common = ("--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(free_port()), "--enable-expert-parallel")
+    head = serve(deepseek, *ARGS, "--data-parallel-size", "2", *common, wait=False)
+    secondary = serve(deepseek, *ARGS, "--data-parallel-size", "4", *common, "--headless",
+                      "--data-parallel-start-rank", "1", wait=False)
+    for server in (head, secondary):
+        server.proc.wait(120)  # raises TimeoutExpired if either hangs
+    assert head.proc.returncode != 0
+    assert "Configuration mismatch detected" in head.log_tail(100000)
+    assert "same command-line arguments" in head.log_tail(100000)
+    assert "EngineCore encountered a fatal error" in secondary.log_tail(100000)
