@@ -13,6 +13,7 @@ from conftest import PROMPTS, HFReference, assert_matches_hf
 MAX_TOKENS = 10
 BLOCK_SIZE = 16
 KV_CACHE_BYTES = 4 << 20
+DENSE_MAX_TOKENS = 8
 SERVE_ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes",
               str(KV_CACHE_BYTES), "--max-num-batched-tokens", "32", "--enable-prefix-caching",
               "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE))
@@ -88,7 +89,10 @@ def models(tiny_model_factory):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_serve_matches_hf_with_chunked_prefill_and_prefix_caching(serve, models, name):
     model = models(name)
-    server = serve(model, *SERVE_ARGS)
+    # On CPU, steps of <= 8 tokens (decode) run every expert densely and the 32-token prefill
+    # chunks take the per-expert loop: both are checked against HF here.
+    server = serve(model, *SERVE_ARGS, env={"VLLM_MS_MOE_DENSE_MAX_TOKENS": str(DENSE_MAX_TOKENS),
+                                            "VLLM_MS_LOG_STEPS": "1"})
     client = server.client()
 
     def complete(prompt):
@@ -111,6 +115,11 @@ def test_serve_matches_hf_with_chunked_prefill_and_prefix_caching(serve, models,
         ref_tokens, ref_steps = reference.greedy(choice.prompt_token_ids, MAX_TOKENS)
         assert_matches_hf(choice.token_ids, choice.logprobs.token_logprobs, ref_tokens, ref_steps,
                           f"{name} {prompt[:20]!r}")
+
+    log = server.log_tail(100000)
+    assert f"steps of at most {DENSE_MAX_TOKENS} tokens run every expert" in log
+    step_tokens = {int(n) for n in re.findall(r"step: \d+ reqs, (\d+) tokens", log)}
+    assert min(step_tokens) <= DENSE_MAX_TOKENS < max(step_tokens), step_tokens
 
     if name.startswith("deepseek"):
         # vLLM's block accounting saw the latent size: the fixed KV budget buys exactly

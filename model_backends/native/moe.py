@@ -24,7 +24,9 @@ class RoutedExperts(nn.Cell):
             LlamaMLP(hidden_size, intermediate_size, dtype, reduce_results=False,
                      tp_split=not self.expert_parallel)
             for _ in range(shard.count)])
-        self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
+        local_intermediate = self.experts[0].gate_proj.weight.shape[0]  # I, or I / tp
+        self.dispatch = MoEDispatch(shard.count, 3 * hidden_size * local_intermediate,
+                                    shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
 
     def process_weights_after_loading(self, prefix: str) -> None:

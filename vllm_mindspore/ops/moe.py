@@ -4,9 +4,16 @@ Routing (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) belongs to the mo
 takes its result. The experts are loaded as one Cell each, named like the checkpoint
 (`experts.E.gate_proj.weight`), and computed in one of two ways:
 
-- CPU (any device): a per-expert loop of plain ops: token rows of the expert, gather, expert MLP,
-  weighted `tensor_scatter_add` back. The experts stay separate Cells: on CPU slicing a stacked
-  expert Parameter costs more than the expert's matmul.
+- CPU (any device), plain ops, the experts kept as separate Cells (on CPU slicing a stacked expert
+  Parameter costs more than the expert's matmul), one of two ways chosen per step inside the graph:
+  - small steps (decode): every expert on every token, weighted by its routing weight (zero when
+    not chosen). Static shapes, ~7 ops an expert; E/K times the matmul work of the loop.
+  - larger steps: a per-expert loop: token rows of the expert, gather, expert MLP, weighted
+    `tensor_scatter_add` back. ~12 ops an expert, some with data-dependent shapes, which cost
+    ~0.5-0.8 ms more per expert than the static ones on CPU.
+  Dense wins while its extra matmul work, about T x 3·D·I MACs per expert, costs less than that
+  overhead: T <= _LOOP_OVERHEAD_MACS / (3·D·I) (VLLM_MS_MOE_DENSE_MAX_TOKENS overrides it). On
+  2 cores: decode 2-3.5x faster with 8-16 experts; 16 experts of 512x256 break even above T=128.
 - Ascend: after loading, `stack_experts` turns them into two stacked weights, gate|up
   `w13 [E, D, 2I]` and down `w2 [E, I, D]`, run by MindSpore's fused MoE kernels:
   MoeInitRoutingV2 (sort the token copies by expert, count per expert), two GroupedMatmulV4
@@ -26,8 +33,16 @@ the fused MoeDistributeDispatch/Combine kernels accept only EP sizes 16/32/64 on
 import mindspore as ms
 from mindspore import mint, nn, ops
 from mindspore.ops.auto_generate import grouped_matmul_v4
+from vllm.logger import init_logger
 
+from vllm_mindspore import envs
 from vllm_mindspore.platform import ASCEND, DEVICE
+
+logger = init_logger("vllm.vllm_mindspore.moe")
+
+# The matmul work (multiply-adds) a CPU core pair does in the time the per-expert loop's
+# data-dependent ops cost over static ones: ~0.7 ms at ~35 GMAC/s (measured, MindSpore 2.10).
+_LOOP_OVERHEAD_MACS = 25_000_000
 
 
 class MoEDispatch(nn.Cell):
@@ -35,13 +50,21 @@ class MoEDispatch(nn.Cell):
     experts (CellList of this rank's E cells mapping [n, D] -> [n, D], or None once stacked)
     -> [T, D]: sum over k of weight * expert_k(hidden)."""
 
-    def __init__(self, num_experts: int, expert_start: int = 0, ep_rank: int = 0, ep_size: int = 1):
+    def __init__(self, num_experts: int, expert_macs_per_token: int, expert_start: int = 0,
+                 ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
         self.num_experts = num_experts  # experts on this rank
+        # CPU: the largest step (tokens) that runs every expert on every token.
+        override = envs.VLLM_MS_MOE_DENSE_MAX_TOKENS
+        self.dense_max_tokens = (override if override is not None
+                                 else _LOOP_OVERHEAD_MACS // expert_macs_per_token)
+        self.grouped = DEVICE == ASCEND
+        if not self.grouped:
+            logger.info_once("MoE on CPU: steps of at most %d tokens run every expert on every "
+                             "token, larger ones loop over the experts", self.dense_max_tokens)
         self.expert_start = expert_start
         self.ep_rank = ep_rank
         self.ep_size = ep_size
-        self.grouped = DEVICE == ASCEND
         self.w13 = None  # [E, D, 2I] gate | up, from stack_experts
         self.w2 = None  # [E, I, D]
         if ep_size > 1:
@@ -79,7 +102,22 @@ class MoEDispatch(nn.Cell):
         """Ids outside [0, num_experts) belong to other ranks and contribute nothing here."""
         if self.grouped:
             return self._grouped_kernels(hidden, topk_weights, topk_ids)
+        if hidden.shape[0] <= self.dense_max_tokens:  # a branch in the graph: shapes are dynamic
+            return self._every_expert(hidden, topk_weights, topk_ids, experts)
         return self._per_expert_loop(hidden, topk_weights, topk_ids, experts)
+
+    def _routing_weights(self, topk_weights, topk_ids):
+        """[T, K] weights and ids -> [T, E] weight of each local expert, zero where not chosen."""
+        one_hot = ops.one_hot(topk_ids, self.num_experts, ops.ones((), ms.float32),
+                              ops.zeros((), ms.float32))  # [T, K, E]
+        return mint.sum(one_hot * topk_weights.expand_dims(-1), 1)
+
+    def _every_expert(self, hidden, topk_weights, topk_ids, experts):
+        weights = self._routing_weights(topk_weights, topk_ids)
+        out = mint.zeros(hidden.shape, dtype=ms.float32)
+        for e, expert in enumerate(experts):
+            out = out + expert(hidden).astype(ms.float32) * weights[:, e:e + 1]
+        return out.astype(hidden.dtype)
 
     def _grouped_kernels(self, hidden, topk_weights, topk_ids):
         num_experts = self.num_experts
@@ -103,12 +141,10 @@ class MoEDispatch(nn.Cell):
 
     def _per_expert_loop(self, hidden, topk_weights, topk_ids, experts):
         num_tokens, dim = hidden.shape
-        one_hot = ops.one_hot(topk_ids, self.num_experts, ops.ones((), ms.float32),
-                              ops.zeros((), ms.float32))  # [T, K, E]
         # Per (token, expert) routing weight, zero where not selected; one extra zero row T.
-        weights = mint.cat((mint.sum(one_hot * topk_weights.expand_dims(-1), 1),
+        weights = mint.cat((self._routing_weights(topk_weights, topk_ids),
                             mint.zeros((1, self.num_experts), dtype=ms.float32)), 0)  # [T + 1, E]
-        selected = mint.sum(one_hot, 1).transpose(1, 0) > 0.5  # [E, T]
+        selected = weights[:num_tokens].transpose(1, 0) > 0  # [E, T]
         # Row T is a zero token every expert also "receives": no expert ever sees an empty
         # batch (index/segment ops crash on zero rows), and it adds zero to a dropped row.
         padded = mint.cat((hidden, mint.zeros((1, dim), dtype=hidden.dtype)), 0)
