@@ -23,13 +23,24 @@ MODELS = {
 }
 
 
-def make_llm(model_dir: str, **kwargs):
+@pytest.fixture
+def make_llm():
+    """make_llm(model_dir, **engine_args) -> a vLLM `LLM`; every engine is shut down after the
+    test (not at interpreter exit, when pytest has closed the streams vLLM logs to)."""
     from vllm import LLM
 
-    args = dict(model=model_dir, max_model_len=512, max_num_seqs=8,
-                kv_cache_memory_bytes=32 << 20, seed=0)
-    args.update(kwargs)
-    return LLM(**args)
+    llms = []
+
+    def make(model_dir: str, **kwargs):
+        args = dict(model=model_dir, max_model_len=512, max_num_seqs=8,
+                    kv_cache_memory_bytes=32 << 20, seed=0)
+        args.update(kwargs)
+        llms.append(LLM(**args))
+        return llms[-1]
+
+    yield make
+    for llm in llms:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def check_against_hf(llm, model_dir: str, prompts: list[str], context: str) -> list:
@@ -48,14 +59,14 @@ def check_against_hf(llm, model_dir: str, prompts: list[str], context: str) -> l
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_matches_hf(tiny_model_factory, name):
+def test_greedy_matches_hf(make_llm, tiny_model_factory, name):
     arch, overrides = MODELS[name]
     model_dir = tiny_model_factory(arch, **overrides)
     llm = make_llm(model_dir)
     check_against_hf(llm, model_dir, PROMPTS, name)
 
 
-def test_chunked_prefill_and_prefix_caching_match_hf(tiny_model_factory):
+def test_chunked_prefill_and_prefix_caching_match_hf(make_llm, tiny_model_factory):
     """Prompts longer than the 16-token step budget are prefilled in chunks; the second round
     shares long prefixes with the first and is served partly from the prefix cache."""
     model_dir = tiny_model_factory("Qwen2ForCausalLM")
@@ -69,7 +80,7 @@ def test_chunked_prefill_and_prefix_caching_match_hf(tiny_model_factory):
     assert outputs[0].num_cached_tokens >= 32, "the shared prefix was not served from the cache"
 
 
-def test_prompt_logprobs_match_hf(tiny_model_factory):
+def test_prompt_logprobs_match_hf(make_llm, tiny_model_factory):
     from vllm import SamplingParams
 
     model_dir = tiny_model_factory("LlamaForCausalLM")
@@ -88,7 +99,7 @@ def test_prompt_logprobs_match_hf(tiny_model_factory):
             assert abs(max(e.logprob for e in step.values()) - float(ref[pos - 1][top])) < 1e-3
 
 
-def test_float16_compute_is_close_to_hf(tiny_model_factory):
+def test_float16_compute_is_close_to_hf(make_llm, tiny_model_factory):
     """--dtype float16 on CPU: first tokens agree with HF float32 (outside near ties) and
     logprobs stay within float16 accuracy."""
     from vllm import SamplingParams
