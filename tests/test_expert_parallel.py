@@ -45,7 +45,7 @@ def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
     head = serve(model, *ARGS, *dp, env=env, wait=False)
     secondary = serve(model, *ARGS, *dp, "--headless", "--data-parallel-start-rank", "1",
                       env=env, wait=False)
-    head.wait_ready()
+    head.wait_ready(timeout=600)  # 4 ranks compiling on 2 cores
     assert greedy_tokens(head, model, PROMPTS) == ep_off_tokens
     for server in (head, secondary):
         log = server.log_tail(100000)
