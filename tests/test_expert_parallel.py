@@ -50,7 +50,7 @@ def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
     for server in (head, secondary):
         log = server.log_tail(100000)
         assert "MindSpore communication up: rank" in log and f"of {2 * tp}" in log
-        assert "graph(s)" in log
+        assert "step:" in log
 
 
 def test_mismatched_data_parallel_sizes_stop_both_with_a_clear_error(serve, deepseek):
@@ -61,7 +61,7 @@ def test_mismatched_data_parallel_sizes_stop_both_with_a_clear_error(serve, deep
     secondary = serve(deepseek, *ARGS, "--data-parallel-size", "4", *common, "--headless",
                       "--data-parallel-start-rank", "1", wait=False)
     for server in (head, secondary):
-        server.proc.wait(120)  # raises TimeoutExpired if either hangs
+        server.proc.wait(240)  # raises TimeoutExpired if either hangs
     assert head.proc.returncode != 0
     assert "Configuration mismatch detected" in head.log_tail(100000)
     assert "same command-line arguments" in head.log_tail(100000)

@@ -150,7 +150,7 @@ def test_deepseek_kv_cache_is_the_latent(models):
     assert len(layers) == config.num_hidden_layers
     for attn in layers.values():
         cache = attn.kv_cache
-        assert tuple(cache.shape) == (num_blocks * BLOCK_SIZE, latent)
+        assert tuple(cache.shape) == (num_blocks, latent, BLOCK_SIZE)  # CPU: slots innermost
         assert cache.nbytes // (num_blocks * BLOCK_SIZE) == latent * 4
     for spec in model.kv_cache_spec(BLOCK_SIZE, torch.float32).values():
         assert type(spec).__name__ == "MLAAttentionSpec"
@@ -159,8 +159,9 @@ def test_deepseek_kv_cache_is_the_latent(models):
 
 def test_stacked_expert_weights_compute_each_expert(models):
     """The Ascend grouped-matmul layout built from the loaded experts: for every expert e,
-    silu(x @ w13[e][:, :I]) * (x @ w13[e][:, I:]) @ w2[e] equals that expert's MLP. (The fused
-    kernels themselves need an NPU; this checks the weights they are given.)"""
+    silu(x @ w13[e][:, :I]) * (x @ w13[e][:, I:]) @ w2[e] equals that expert's MLP as the CPU
+    model computes it. (The fused kernels themselves need an NPU; this checks the weights they
+    are given.)"""
     import mindspore as ms
     import numpy as np
     from transformers import AutoConfig
@@ -168,26 +169,34 @@ def test_stacked_expert_weights_compute_each_expert(models):
 
     from model_backends.native.deepseek_v3 import DeepseekV3ForCausalLM
     from model_backends.native.weights import load_checkpoint, process_weights_after_loading
+    from vllm_mindspore.platform import ASCEND, building_for
 
     model_dir = models("deepseek-v3-q-lora")
     config = AutoConfig.from_pretrained(model_dir)
-    with set_current_vllm_config(VllmConfig()):
+
+    def build():
         model = DeepseekV3ForCausalLM(config, BLOCK_SIZE, ms.float32)
         load_checkpoint(model, model_dir, model.checkpoint_name_to_param)
         process_weights_after_loading(model)
-    moe = model.model.layers[1].mlp
-    moe.dispatch.stack_experts(moe.experts, "model.layers.1.mlp.dispatch")
+        return model
+
+    with set_current_vllm_config(VllmConfig()):
+        with building_for(ASCEND):
+            ascend = build()
+        cpu = build()
+    moe = ascend.model.layers[1].mlp
+    assert moe.experts is None  # stacked, the per-expert cells dropped
     w13, w2 = moe.dispatch.w13.asnumpy(), moe.dispatch.w2.asnumpy()
     size = config.moe_intermediate_size
     assert w13.shape == (config.n_routed_experts, config.hidden_size, 2 * size)
     assert w2.shape == (config.n_routed_experts, size, config.hidden_size)
     x = np.random.default_rng(0).standard_normal((5, config.hidden_size)).astype(np.float32)
-    for e, expert in enumerate(moe.experts):
+    for e, expert in enumerate(cpu.model.layers[1].mlp.experts):
         gate, up = x @ w13[e][:, :size], x @ w13[e][:, size:]
         grouped = (gate / (1 + np.exp(-gate)) * up) @ w2[e]
         np.testing.assert_allclose(grouped, expert(ms.Tensor(x)).asnumpy(), rtol=1e-4, atol=1e-5)
     # MLA: kv_b_proj was split into the absorbed W_UK / W_UV and dropped.
-    attn = model.model.layers[0].self_attn
+    attn = ascend.model.layers[0].self_attn
     assert attn.kv_b_proj is None
     assert tuple(attn.attn.w_uk.shape) == (config.num_attention_heads, config.qk_nope_head_dim,
                                            config.kv_lora_rank)

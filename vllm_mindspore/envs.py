@@ -20,6 +20,33 @@ def _first_set(*names: str) -> Callable[[], str | None]:
     return lambda: next((os.environ[n] for n in names if os.environ.get(n)), None)
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str) -> Callable[[], str]:
+    def read() -> str:
+        value = os.environ.get(name, default).strip()
+        if value.lower() not in (c.lower() for c in choices):
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}.")
+        return value
+
+    return read
+
+
+def _positive_number(name: str, default: str | None) -> Callable[[], float | None]:
+    def read() -> float | None:
+        value = os.environ.get(name, default or "").strip()
+        if not value:
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if number <= 0:
+            raise ValueError(f"{name}={value!r} is not a number > 0"
+                             + ("; unset it to use the default." if default is None else "."))
+        return number
+
+    return read
+
+
 def _optional_count(name: str) -> Callable[[], int | None]:
     def read() -> int | None:
         value = os.environ.get(name, "").strip()
@@ -39,11 +66,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: the platform entry point stays inactive (vLLM falls back to its own platform detection).",
     ),
     "VLLM_MS_DEVICE": (
-        _str("VLLM_MS_DEVICE", "auto"),
+        _choice("VLLM_MS_DEVICE", ("auto", "Ascend", "CPU"), "auto"),
         "auto | Ascend | CPU. auto picks Ascend when /dev/davinci* devices exist, else CPU.",
     ),
     "VLLM_MS_CPU_KVCACHE_SPACE": (
-        _str("VLLM_MS_CPU_KVCACHE_SPACE"),
+        _positive_number("VLLM_MS_CPU_KVCACHE_SPACE", None),
         "KV-cache size in GiB per worker on CPU (like vLLM's VLLM_CPU_KVCACHE_SPACE). "
         "Unset: --kv-cache-memory-bytes if given, else gpu_memory_utilization x free memory, "
         "capped at 4 GiB.",
@@ -58,7 +85,7 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Path of a MindFormers predict YAML (parallel_config, model.model_config).",
     ),
     "VLLM_MS_COMM_TIMEOUT": (
-        lambda: float(os.environ.get("VLLM_MS_COMM_TIMEOUT", "120")),
+        _positive_number("VLLM_MS_COMM_TIMEOUT", "120"),
         "Seconds a rank waits for its peers when MindSpore's collective communication starts "
         "(tensor/expert parallel) before failing with an error.",
     ),
@@ -73,6 +100,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: log every model step (batch shape, graph compile count, milliseconds).",
     ),
 }
+
+
+# Other spellings of a variable above (read by its getter).
+ALIASES = {"vLLM_MODEL_BACKEND": "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND": "VLLM_MODEL_BACKEND"}
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@ so `device_type`/`device_name` stay "cpu" (vLLM builds `torch.device(...)` from 
 devices. What differs per device is the Ray resource key and the default block size.
 """
 
+import contextlib
 import glob
 import os
 
@@ -26,17 +27,33 @@ CPU = "CPU"
 
 def detect_device() -> str:
     """Ascend when asked for, or when NPU device nodes exist; else CPU."""
-    wanted = (envs.VLLM_MS_DEVICE or "auto").strip().lower()
+    wanted = envs.VLLM_MS_DEVICE.lower()  # auto | ascend | cpu (checked)
     if wanted == "ascend":
         return ASCEND
     if wanted == "cpu":
         return CPU
-    if wanted != "auto":
-        raise ValueError(f"VLLM_MS_DEVICE={envs.VLLM_MS_DEVICE!r} is not one of auto, Ascend, CPU.")
     return ASCEND if glob.glob("/dev/davinci[0-9]*") else CPU
 
 
 DEVICE = detect_device()
+_kernel_device: str | None = None
+
+
+def kernel_device() -> str:
+    """The device whose kernels the ops/ cells choose when they are built: DEVICE, except inside
+    `building_for` (the Ascend graph check compiles Ascend graphs on CPU)."""
+    return _kernel_device or DEVICE
+
+
+@contextlib.contextmanager
+def building_for(device: str):
+    """Cells built in this block choose `device`'s kernels (and cache layouts)."""
+    global _kernel_device
+    previous, _kernel_device = _kernel_device, device
+    try:
+        yield
+    finally:
+        _kernel_device = previous
 
 
 def visible_npus() -> int:
@@ -45,6 +62,21 @@ def visible_npus() -> int:
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
     return len(glob.glob("/dev/davinci[0-9]*"))
+
+
+def check_dtype_for_device(device: str, dtype: str) -> None:
+    """CPU computes in float32 or float16 (MindSpore has no bfloat16 matmul there); Ascend's
+    fused cache, attention and rope kernels take bfloat16 or float16 only."""
+    if device == CPU and dtype == "bfloat16":
+        raise ValueError(
+            "--dtype bfloat16 is not supported on CPU: MindSpore has no bfloat16 matmul there. "
+            "Use --dtype float32 (fastest on CPU) or float16; bfloat16 checkpoints are cast on "
+            "load.")
+    if device == ASCEND and dtype == "float32":
+        raise ValueError(
+            "--dtype float32 is not supported on Ascend: the fused KV-cache, attention and rope "
+            "kernels take bfloat16 or float16. Use --dtype bfloat16 (or float16, or auto: "
+            "float32 checkpoints then run in bfloat16).")
 
 
 def check_world_fits_devices(local_world_size: int, device: str, npus: int) -> None:
@@ -71,8 +103,8 @@ class MindSporePlatform(Platform):
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
-        if DEVICE == ASCEND:
-            return [torch.bfloat16, torch.float16, torch.float32]
+        if DEVICE == ASCEND:  # the first is what --dtype auto picks for float32 checkpoints
+            return [torch.bfloat16, torch.float16]
         # MindSpore on CPU has no bfloat16 matmul; float32 is its fastest dtype there.
         return [torch.float32, torch.float16]
 
@@ -125,6 +157,23 @@ class MindSporePlatform(Platform):
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         return False
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM's check of VLLM_* variables, knowing the plugin's own (vllm_mindspore/envs.py),
+        whose values are also checked: a bad one is an error naming the variable."""
+        from vllm import envs as vllm_envs
+
+        for name in os.environ:
+            if not name.startswith("VLLM_") or name in vllm_envs.environment_variables:
+                continue
+            known = envs.ALIASES.get(name, name)
+            if known in envs.ENVIRONMENT_VARIABLES:
+                getattr(envs, known)  # raises ValueError naming the variable if malformed
+            elif hard_fail:
+                raise ValueError(f"Unknown vLLM environment variable detected: {name}")
+            else:
+                logger.warning("Unknown vLLM environment variable detected: %s", name)
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
@@ -188,11 +237,8 @@ class MindSporePlatform(Platform):
             cache.block_size = 128 if DEVICE == ASCEND else 16
 
         model_config = vllm_config.model_config
-        if model_config is not None and DEVICE == CPU and model_config.dtype == torch.bfloat16:
-            raise ValueError(
-                "--dtype bfloat16 is not supported on CPU: MindSpore has no bfloat16 matmul there. "
-                "Use --dtype float32 (fastest on CPU) or float16; bfloat16 checkpoints are cast on load."
-            )
+        if model_config is not None:
+            check_dtype_for_device(DEVICE, str(model_config.dtype).removeprefix("torch."))
         logger.info(
             "MindSpore platform on %s: worker=%s executor=%s tp=%d dp=%d block_size=%d",
             DEVICE, parallel.worker_cls, parallel.distributed_executor_backend,

@@ -96,7 +96,7 @@ class DeepseekV3Attention(nn.Cell):
         self.kv_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks), dtype=dtype),
                                   name=f"{layer_name}.kv_cache", requires_grad=False)
 
-    def construct(self, positions, hidden, attn_metadata):
+    def construct(self, positions, hidden, attn_metadata, prefill_only):
         num_tokens = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -108,12 +108,15 @@ class DeepseekV3Attention(nn.Cell):
         kv_a = self.kv_a_proj_with_mqa(hidden)
         latent = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank])
         k_pe = kv_a[:, self.kv_lora_rank:].reshape(num_tokens, 1, self.qk_rope_head_dim)
+        # q_pe and k_pe rotated in one call, stacked along heads.
+        pe = mint.cat((q_pe, k_pe), dim=1)
         if self.rope_interleave:
-            q_pe = mint.cat((q_pe[..., 0::2], q_pe[..., 1::2]), dim=-1)
-            k_pe = mint.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
-        latent = mint.cat((latent, k_pe.reshape(num_tokens, self.qk_rope_head_dim)), dim=-1)
-        out = self.attn(q_nope, q_pe, latent, self.kv_cache, *attn_metadata)
+            pe = mint.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
+        pe = self.rotary_emb(positions, pe)
+        q_pe = pe[:, :self.num_heads]
+        latent = mint.cat((latent, pe[:, self.num_heads].reshape(num_tokens, -1)), dim=-1)
+        out = self.attn(q_nope, q_pe, latent, self.kv_cache, positions, *attn_metadata,
+                        prefill_only)
         return self.o_proj(out)
 
     def process_weights_after_loading(self, prefix: str) -> None:

@@ -3,16 +3,18 @@
 Mirrors HF transformers' `LlamaForCausalLM`: same module tree and tensor names
 (`model.layers.N.self_attn.q_proj.weight`, ...), GQA, `head_dim` independent of
 hidden_size / num_heads, tied or untied embeddings, any rope scaling vLLM supports.
-The forward takes vLLM's packed token batch and returns logits only for `logits_index`.
+The forward takes vLLM's packed token batch and returns the last hidden states; the logits of
+the rows the step samples from are a second, small graph (`logits_head`). After loading, q/k/v
+and gate/up run as one matmul each (`process_weights_after_loading`).
 """
 
 import mindspore as ms
-from mindspore import Parameter, mint, nn, ops
+from mindspore import Parameter, mint, nn
 
 from model_backends.native.layers import (ColumnParallelLinear, Linear, ParallelLMHead,
-                                          RowParallelLinear,
-                                          ShardSpec, SiluAndMul, VocabParallelEmbedding,
-                                          even_split, tp_rank_and_size)
+                                          RowParallelLinear, ShardSpec, SiluAndMul,
+                                          VocabParallelEmbedding, even_split, fuse_linears,
+                                          tp_rank_and_size)
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
 
 
@@ -57,22 +59,33 @@ class LlamaAttention(nn.Cell):
         self.value_cache = None
 
     def allocate_kv_cache(self, num_blocks: int, dtype, layer_name: str) -> None:
-        self.key_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks), dtype=dtype),
+        key_shape, value_shape = self.attn.cache_shapes(num_blocks)
+        self.key_cache = Parameter(mint.zeros(key_shape, dtype=dtype),
                                    name=f"{layer_name}.key_cache", requires_grad=False)
-        self.value_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks, value=True),
-                                                dtype=dtype), name=f"{layer_name}.value_cache",
-                                     requires_grad=False)
+        self.value_cache = Parameter(mint.zeros(value_shape, dtype=dtype),
+                                     name=f"{layer_name}.value_cache", requires_grad=False)
 
-    def construct(self, positions, hidden, attn_metadata):
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+    def process_weights_after_loading(self, prefix: str) -> None:
+        """q|k|v as one projection; q_norm|k_norm as one norm over the stacked q and k heads."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj], f"{prefix}.qkv_proj")
+        self.q_proj = self.k_proj = self.v_proj = None
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, self.key_cache, self.value_cache, *attn_metadata)
+            self.qk_norm_ = RMSNorm.stacked(
+                [(self.q_norm, self.num_heads), (self.k_norm, self.num_kv_heads)],
+                f"{prefix}.qk_norm")
+            self.q_norm = self.k_norm = None
+
+    def construct(self, positions, hidden, attn_metadata, prefill_only):
+        num_tokens = hidden.shape[0]
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk, v = mint.split(self.qkv_proj(hidden),
+                           (qk_heads * self.head_dim, self.num_kv_heads * self.head_dim), -1)
+        qk = qk.reshape(num_tokens, qk_heads, self.head_dim)
+        if self.qk_norm:
+            qk = self.qk_norm_(qk)
+        qk = self.rotary_emb(positions, qk)
+        out = self.attn(qk, v.reshape(num_tokens, self.num_kv_heads, self.head_dim),
+                        self.key_cache, self.value_cache, positions, *attn_metadata, prefill_only)
         return self.o_proj(out)
 
 
@@ -95,8 +108,12 @@ class LlamaMLP(nn.Cell):
             self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
         self.act = SiluAndMul()
 
+    def process_weights_after_loading(self, prefix: str) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj], f"{prefix}.gate_up_proj")
+        self.gate_proj = self.up_proj = None
+
     def construct(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -115,8 +132,9 @@ class LlamaDecoderLayer(nn.Cell):
     def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
         return LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
 
-    def construct(self, positions, hidden, attn_metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+    def construct(self, positions, hidden, attn_metadata, prefill_only):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata,
+                                         prefill_only)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -128,16 +146,36 @@ class LlamaModel(nn.Cell):
                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def construct(self, input_ids, positions, attn_metadata):
+    def construct(self, input_ids, positions, attn_metadata, prefill_only):
+        """-> the last layer's hidden states [T, hidden], before the final norm (applied by
+        the logits head to the rows that are sampled)."""
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden = layer(positions, hidden, attn_metadata)
-        return self.norm(hidden)
+            hidden = layer(positions, hidden, attn_metadata, prefill_only)
+        return hidden
+
+
+class LogitsHead(nn.Cell):
+    """hidden [N, hidden] (last layer, before the final norm) -> logits [N, vocab] float32."""
+
+    def __init__(self, norm: RMSNorm, lm_head: ParallelLMHead):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def construct(self, hidden):
+        return self.lm_head(self.norm(hidden))
 
 
 class LlamaForCausalLM(nn.Cell):
-    """(input_ids [T], positions [T], logits_index [N], *AttentionMetadata) -> logits [N, vocab]
-    in float32."""
+    """(input_ids [T], positions [T], *AttentionMetadata, prefill_only) -> hidden [T, hidden];
+    `logits_head()` turns the sampled rows into logits.
+
+    The argument names are the graph's input names: Ascend's fused attention kernels read the
+    per-request lengths from the inputs named `batch_valid_length` and `q_seq_lens`.
+    `prefill_only` (a constant: one graph per value) marks a step of first prefills only, which
+    Ascend runs with FlashAttention; the CPU kernels do not need it.
+    """
 
     decoder_layer_cls = LlamaDecoderLayer
 
@@ -151,15 +189,17 @@ class LlamaForCausalLM(nn.Cell):
             config.vocab_size, config.hidden_size, dtype,
             tied=self.model.embed_tokens if self.tie_word_embeddings else None)
 
-    def construct(self, input_ids, positions, logits_index, slot_mapping, block_tables,
-                  query_index, query_positions, token_index):
-        attn_metadata = (slot_mapping, block_tables, query_index, query_positions, token_index)
-        hidden = self.model(input_ids, positions, attn_metadata)
-        return self.lm_head(ops.gather(hidden, logits_index, 0))
+    def construct(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length,
+                  q_seq_lens, prefill_only=False):
+        attn_metadata = (slot_mapping, block_tables, batch_valid_length, q_seq_lens)
+        return self.model(input_ids, positions, attn_metadata, prefill_only)
+
+    def logits_head(self) -> LogitsHead:
+        return LogitsHead(self.model.norm, self.lm_head)
 
     def dynamic_inputs(self) -> tuple:
         token_ids = ms.Tensor(shape=[None], dtype=ms.int32)
-        return (token_ids, token_ids, token_ids) + AttentionMetadata.dynamic_inputs()
+        return (token_ids, token_ids) + AttentionMetadata.dynamic_inputs()
 
     # ---- KV cache --------------------------------------------------------------------------
     def attention_layers(self) -> dict[str, nn.Cell]:

@@ -3,8 +3,7 @@ reduction over ranks. Models add their router (`gate`) and, if any, shared exper
 
 from mindspore import nn
 
-from model_backends.native.layers import (ExpertShard, TensorParallelAllReduce, ep_rank_and_size,
-                                          tp_rank_and_size)
+from model_backends.native.layers import ExpertShard, TensorParallelAllReduce, ep_rank_and_size
 from model_backends.native.llama import LlamaMLP
 from vllm_mindspore.ops.moe import MoEDispatch
 
@@ -27,8 +26,7 @@ class RoutedExperts(nn.Cell):
             for _ in range(shard.count)])
         local_intermediate = self.experts[0].gate_proj.weight.shape[0]  # I, or I / tp
         self.dispatch = MoEDispatch(shard.count, 3 * hidden_size * local_intermediate,
-                                    shard.start, *ep_rank_and_size(),
-                                    tp_subgroups=1 < tp_rank_and_size()[1] < ep_rank_and_size()[1])
+                                    shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
 
     def process_weights_after_loading(self, prefix: str) -> None:

@@ -15,7 +15,7 @@ from mindspore import nn
 from safetensors import safe_open
 from vllm.logger import init_logger
 
-from model_backends.native.layers import ShardSpec, collect_shards
+from model_backends.native.layers import ShardSpec, collect_shards, use_compute_layouts
 
 logger = init_logger("vllm.vllm_mindspore.weights")
 
@@ -94,11 +94,18 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
 
 def process_weights_after_loading(model: nn.Cell) -> None:
     """Let cells derive their compute layout from the checkpoint tensors once they are loaded:
-    each cell with a `process_weights_after_loading(prefix)` method gets its own name prefix."""
-    for prefix, cell in list(model.cells_and_names()):
+    each cell with a `process_weights_after_loading(prefix)` method gets its own name prefix,
+    children before their parents (an MLP fuses gate|up before its MoE layer stacks experts);
+    then every linear layer takes the device's matmul layout."""
+    for prefix, cell in reversed(list(model.cells_and_names())):
         hook = getattr(cell, "process_weights_after_loading", None)
         if hook is not None:
             hook(prefix)
+    use_compute_layouts(model)
+    # Parameters made above were named by the cell they were assigned to, without its parents:
+    # every parameter takes its full path (graph compilation needs unique names).
+    for name, param in model.parameters_and_names():
+        param.name = name
 
 
 def _assign(param, tensor: torch.Tensor, ckpt_name: str, shard: ShardSpec | None,

@@ -106,7 +106,8 @@ def init_communication(rank: int, world_size: int, cpu_group, host: str, device:
         create_group(_tp_group, list(tp_ranks))
     # MindSpore's exit-time finalize waits for the scheduler and every peer; after vLLM's own
     # shutdown that wait can only hang, so the process leaves directly (registered last: runs
-    # first).
+    # first), with a failure status if an exception went uncaught.
+    sys.excepthook = _failing(sys.excepthook)
     atexit.register(_exit_now)
     logger.info("MindSpore communication up: rank %d of %d via %s:%d in %.1f s", rank,
                 world_size, host, port, time.perf_counter() - start)
@@ -121,10 +122,35 @@ def tp_group() -> str:
     return GlobalComm.WORLD_COMM_GROUP
 
 
+def sized_collective(primitive_cls, size: int, group: str | None = None):
+    """A MindSpore AllGather/ReduceScatter over `group` (default: the world) of `size` ranks.
+    In a running world `size` is what the group reports; it is set explicitly so that graphs
+    built for a parallel layout without a communication world (the Ascend graph check) infer
+    the gathered/scattered shapes of that layout."""
+    from mindspore.communication import GlobalComm
+
+    primitive = primitive_cls(group=group or GlobalComm.WORLD_COMM_GROUP)
+    primitive.rank_size = size
+    primitive.add_prim_attr("rank_size", size)
+    return primitive
+
+
+_exit_status = 0
+
+
+def _failing(excepthook):
+    def hook(*args):
+        global _exit_status
+        _exit_status = 1
+        excepthook(*args)
+
+    return hook
+
+
 def _exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(_exit_status)
 
 
 def shutdown_communication() -> None:

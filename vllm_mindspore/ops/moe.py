@@ -4,8 +4,9 @@ Routing (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) belongs to the mo
 takes its result. The experts are loaded as one Cell each, named like the checkpoint
 (`experts.E.gate_proj.weight`), and computed in one of two ways:
 
-- CPU (any device), plain ops, the experts kept as separate Cells (on CPU slicing a stacked expert
-  Parameter costs more than the expert's matmul), one of two ways chosen per step inside the graph:
+- CPU, plain ops, the experts kept as separate Cells (on CPU slicing a stacked expert Parameter
+  costs more than the expert's matmul), one of two ways chosen per graph (the token count T of a
+  graph is static: one graph per token bucket):
   - small steps (decode): every expert on every token, weighted by its routing weight (zero when
     not chosen). Static shapes, ~7 ops an expert; E/K times the matmul work of the loop.
   - larger steps: a per-expert loop: token rows of the expert, gather, expert MLP, weighted
@@ -31,12 +32,15 @@ the fused MoeDistributeDispatch/Combine kernels accept only EP sizes 16/32/64 on
 """
 
 import mindspore as ms
+import numpy as np
 from mindspore import mint, nn, ops
 from mindspore.ops.auto_generate import grouped_matmul_v4
 from vllm.logger import init_logger
 
 from vllm_mindspore import envs
-from vllm_mindspore.platform import ASCEND, DEVICE
+from vllm_mindspore.distributed.communication import sized_collective
+from vllm_mindspore.ops.host import parameter, to_host
+from vllm_mindspore.platform import ASCEND, kernel_device
 
 logger = init_logger("vllm.vllm_mindspore.moe")
 
@@ -51,19 +55,14 @@ class MoEDispatch(nn.Cell):
     -> [T, D]: sum over k of weight * expert_k(hidden)."""
 
     def __init__(self, num_experts: int, expert_macs_per_token: int, expert_start: int = 0,
-                 ep_rank: int = 0, ep_size: int = 1, tp_subgroups: bool = False):
+                 ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
         self.num_experts = num_experts  # experts on this rank
-        # CPU: the largest step (tokens) that runs every expert on every token. Not by default
-        # when the expert-parallel world holds TP subgroups (DP x TP x EP): there the graph's
-        # branch made 4 ranks compile for over 9 minutes (197 s without it, mccl, 2 cores).
+        # CPU: the largest step (tokens) that runs every expert on every token.
         override = envs.VLLM_MS_MOE_DENSE_MAX_TOKENS
-        if override is not None:
-            self.dense_max_tokens = override
-        else:
-            self.dense_max_tokens = 0 if tp_subgroups else (_LOOP_OVERHEAD_MACS
-                                                            // expert_macs_per_token)
-        self.grouped = DEVICE == ASCEND
+        self.dense_max_tokens = (override if override is not None
+                                 else _LOOP_OVERHEAD_MACS // expert_macs_per_token)
+        self.grouped = kernel_device() == ASCEND
         if not self.grouped and self.dense_max_tokens:
             logger.info_once("MoE on CPU: steps of at most %d tokens run every expert on every "
                              "token, larger ones loop over the experts", self.dense_max_tokens)
@@ -75,21 +74,20 @@ class MoEDispatch(nn.Cell):
         self.w13 = None  # [E, D, 2I] gate | up, from stack_experts
         self.w2 = None  # [E, I, D]
         if ep_size > 1:
-            self.all_gather = ops.AllGather()
+            self.all_gather = sized_collective(ops.AllGather, ep_size)
             if self.grouped:
-                self.reduce_scatter = ops.ReduceScatter()
+                self.reduce_scatter = sized_collective(ops.ReduceScatter, ep_size)
             else:
                 self.all_reduce = ops.AllReduce()
 
     def stack_experts(self, experts, prefix: str) -> None:
-        """Per-expert gate/up/down Linear weights ([out, in]) -> the grouped kernels' w13, w2."""
-        self.w13 = ms.Parameter(
-            ops.stack([mint.cat((e.gate_proj.weight, e.up_proj.weight), 0).transpose(1, 0)
-                       for e in experts]).contiguous(),
-            name=f"{prefix}.w13", requires_grad=False)
-        self.w2 = ms.Parameter(
-            ops.stack([e.down_proj.weight.transpose(1, 0) for e in experts]).contiguous(),
-            name=f"{prefix}.w2", requires_grad=False)
+        """Per-expert gate|up and down Linear weights ([out, in]) -> the grouped kernels' w13,
+        w2."""
+        dtype = experts[0].down_proj.weight.dtype
+        self.w13 = parameter(np.stack([to_host(e.gate_up_proj.weight).T for e in experts]),
+                             dtype, f"{prefix}.w13")
+        self.w2 = parameter(np.stack([to_host(e.down_proj.weight).T for e in experts]), dtype,
+                            f"{prefix}.w2")
 
     def construct(self, hidden, topk_weights, topk_ids, experts):
         if self.ep_size == 1:
@@ -109,9 +107,9 @@ class MoEDispatch(nn.Cell):
         """Ids outside [0, num_experts) belong to other ranks and contribute nothing here."""
         if self.grouped:
             return self._grouped_kernels(hidden, topk_weights, topk_ids)
-        if self.dense_max_tokens > 0:  # a constant: 0 compiles the loop alone
-            if hidden.shape[0] <= self.dense_max_tokens:  # a branch in the graph (dynamic T)
-                return self._every_expert(hidden, topk_weights, topk_ids, experts)
+        # T is static in each graph (one per token bucket): the choice is made at compile time.
+        if hidden.shape[0] <= self.dense_max_tokens:
+            return self._every_expert(hidden, topk_weights, topk_ids, experts)
         return self._per_expert_loop(hidden, topk_weights, topk_ids, experts)
 
     def _routing_weights(self, topk_weights, topk_ids):
@@ -134,7 +132,8 @@ class MoEDispatch(nn.Cell):
         # left out of the grouped matmuls, zero-weighted when summed back.
         topk_ids = ops.select(foreign, ops.full_like(topk_ids, num_experts), topk_ids)
         topk_weights = ops.select(foreign, ops.zeros_like(topk_weights), topk_weights)
-        sorted_hidden, unsort_map, counts, _ = ops.moe_init_routing_v2(
+        # Dropless with per-expert counts: three outputs (the primitive's fourth is dropped).
+        sorted_hidden, unsort_map, counts = ops.moe_init_routing_v2(
             hidden, topk_ids, 0, 0, num_experts + 1, 0, 2, False)
         counts = counts[:num_experts].astype(ms.int64)
         gate_up = grouped_matmul_v4([sorted_hidden], [self.w13], group_list=counts, split_item=3,

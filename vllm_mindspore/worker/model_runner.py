@@ -1,12 +1,19 @@
-"""MindSporeModelRunner: one engine step = SchedulerOutput -> packed batch -> MindSpore graph ->
+"""MindSporeModelRunner: one engine step = SchedulerOutput -> packed batch -> MindSpore graphs ->
 logits -> vLLM's sampler -> ModelRunnerOutput.
 
 Request state, block tables and sampling metadata live in vLLM's own `InputBatch` (numpy/torch on
-the host); sampling, penalties, logits processors and logprobs are vLLM's own `Sampler`. Only the
-forward pass is MindSpore: one graph compiled once with dynamic shapes, so steady-state steps of
-any batch shape reuse it.
+the host); sampling, penalties, logits processors, grammars and logprobs are vLLM's own. The step
+follows vLLM 0.33's two-phase contract: `execute_model` runs the model and keeps the logits,
+`sample_tokens(grammar_output)` applies the structured-output bitmask and samples.
+
+The model runs as two MindSpore graphs: the decoder over the step's tokens -> hidden states, and
+the logits head (final norm + LM head) over the rows that are sampled. On CPU both are compiled
+for a fixed set of sizes (`GraphSizes`: steps are padded to the next one) during warm-up, so
+no step compiles; on Ascend they are compiled once with dynamic shapes.
 """
 
+import bisect
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -20,6 +27,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from model_backends import resolve_model_class, select_backend
@@ -27,10 +35,44 @@ from model_backends.native.weights import load_checkpoint, process_weights_after
 from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
+from vllm_mindspore.platform import ASCEND, DEVICE
 
 logger = init_logger("vllm.vllm_mindspore.model_runner")
 
 MS_DTYPES = {torch.float32: ms.float32, torch.float16: ms.float16, torch.bfloat16: ms.bfloat16}
+
+
+def power_of_two_sizes(largest: int) -> list[int]:
+    """1, 2, 4, ... up to and including `largest` (the last one may not be a power of two)."""
+    sizes = [1]
+    while sizes[-1] < largest:
+        sizes.append(min(sizes[-1] * 2, largest))
+    return sizes
+
+
+class GraphSizes:
+    """The shapes the graphs are compiled for. Static (CPU): token counts and logits rows are
+    padded up to the next of a few sizes, each a graph compiled at warm-up (a static-shape graph
+    runs 1.4-1.7x faster than a dynamic-shape one on CPU). Dynamic (Ascend): exact sizes."""
+
+    def __init__(self, max_tokens: int, max_rows: int, static: bool):
+        self.static = static
+        self.tokens = power_of_two_sizes(max_tokens)
+        self.rows = power_of_two_sizes(max_rows)
+
+    @staticmethod
+    def _pad(sizes: list[int], n: int) -> int:
+        return sizes[bisect.bisect_left(sizes, n)]
+
+    def padded_tokens(self, n: int) -> int:
+        return self._pad(self.tokens, n) if self.static else n
+
+    def padded_rows(self, n: int) -> int:
+        return self._pad(self.rows, n) if self.static else n
+
+    @property
+    def max_rows(self) -> int:
+        return self.rows[-1]
 
 
 class PromptRows(NamedTuple):
@@ -40,14 +82,29 @@ class PromptRows(NamedTuple):
 
 
 class StepInputs(NamedTuple):
-    """Host arrays of one step. T tokens; N = rows of logits wanted."""
+    """Host arrays of one step: T tokens (padded to a graph size), N rows of logits wanted."""
 
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
-    logits_index: np.ndarray  # [N]: last token of each request, then prompt-logprob tokens
     attn_metadata: AttentionMetadata
-    query_start_loc: np.ndarray  # [B + 1]
+    prefill_only: bool  # every request starts its prompt this step (no cached context)
+    num_scheduled: np.ndarray  # [R] tokens of each request this step
+    logits_index: np.ndarray  # [N]: last token of each request, then prompt-logprob tokens
     prompt_rows: dict[str, PromptRows]  # requests scoring prompt tokens this step
+
+    def graph_inputs(self) -> tuple:
+        as_tensor = ms.Tensor.from_numpy
+        return (as_tensor(self.input_ids), as_tensor(self.positions),
+                *self.attn_metadata.tensors(), self.prefill_only)
+
+
+class PendingStep(NamedTuple):
+    """What execute_model leaves for sample_tokens."""
+
+    scheduler_output: object
+    inputs: StepInputs
+    logits: torch.Tensor  # [N, vocab] float32
+    start: float
 
 
 class MindSporeModelRunner:
@@ -61,15 +118,18 @@ class MindSporeModelRunner:
         self.dtype = MS_DTYPES[self.model_config.dtype]
         self.device = torch.device("cpu")
         self.model = None
-        self.num_compiles = 0
+        self.logits_head = None
+        self.num_graphs = 0  # compiled at warm-up; a step that compiles another is logged
         self.requests: dict[str, CachedRequestState] = {}
         # req_id -> number of prompt logprobs requested (popped once the prompt is done)
         self.num_prompt_logprobs: dict[str, int] = {}
+        self.pending: PendingStep | None = None
 
+        max_num_reqs = self.scheduler_config.max_num_seqs
         logits_processors = self.model_config.logits_processors
         custom_logitsprocs = tuple(logits_processors) if logits_processors else ()
         self.input_batch = InputBatch(
-            max_num_reqs=self.scheduler_config.max_num_seqs,
+            max_num_reqs=max_num_reqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             device=self.device,
@@ -82,6 +142,8 @@ class MindSporeModelRunner:
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.pad_across_dp = expert_parallel_across_dp(vllm_config)
+        self.sizes = GraphSizes(self.scheduler_config.max_num_batched_tokens, max_num_reqs,
+                                static=DEVICE != ASCEND)
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -96,7 +158,11 @@ class MindSporeModelRunner:
             load_checkpoint(self.model, self.model_config.model,
                             self.model.checkpoint_name_to_param)
             process_weights_after_loading(self.model)
-        self.model.set_inputs(*self.model.dynamic_inputs())
+            self.logits_head = self.model.logits_head()
+        if not self.sizes.static:
+            self.model.set_inputs(*self.model.dynamic_inputs())
+            self.logits_head.set_inputs(ms.Tensor(shape=[None, self.model_config.get_hidden_size()],
+                                                  dtype=self.dtype))
         logger.info("Built %s (%s backend, %s) and loaded its weights in %.2f s",
                     model_cls.__name__, backend.name, self.dtype, time.perf_counter() - start)
 
@@ -108,16 +174,19 @@ class MindSporeModelRunner:
         logger.info("KV cache: %d blocks of %d tokens", kv_cache_config.num_blocks, self.block_size)
 
     def warm_up(self) -> float:
-        """Compile the graph once on a dummy batch (two requests, decode + 3-token prefill)."""
+        """Compile every graph the steps will use: the decoder for each token count and the
+        logits head for each row count (static sizes), or once each (dynamic)."""
         start = time.perf_counter()
-        positions = np.array([0, 0, 1, 2], np.int32)
-        query_start_loc = np.array([0, 1, 4], np.int32)
-        block_table = np.zeros((2, 1), np.int32)  # block 0 is vLLM's reserved null block
-        metadata = AttentionMetadata.build(positions, query_start_loc, np.zeros(2, np.int32),
-                                           block_table, self.block_size)
-        inputs = StepInputs(np.zeros(4, np.int32), positions, np.array([0, 3], np.int32), metadata,
-                            query_start_loc, {})
-        self.model.compile(*self._graph_inputs(inputs))
+        token_sizes = self.sizes.tokens if self.sizes.static else [4]
+        for num_tokens in token_sizes:
+            self.model.compile(*self._dummy_inputs(num_tokens).graph_inputs())
+        if not self.sizes.static:  # Ascend's graph for steps of first prefills only
+            self.model.compile(*self._dummy_inputs(4)._replace(prefill_only=True).graph_inputs())
+        hidden = self.model_config.get_hidden_size()
+        for num_rows in (self.sizes.rows if self.sizes.static else [2]):
+            self.logits_head.compile(ms.Tensor(np.zeros((num_rows, hidden), np.float32),
+                                               self.dtype))
+        compiled = time.perf_counter() - start
         # Ranks compile at their own pace; MindSpore's collectives time out long before a slow
         # peer's compile ends, so every rank waits here (vLLM's gloo world group) before the
         # first collective runs.
@@ -125,26 +194,38 @@ class MindSporeModelRunner:
 
         if get_world_group().world_size > 1:
             torch.distributed.barrier(group=get_world_group().cpu_group)
-        self._forward(inputs)
-        seconds = time.perf_counter() - start
-        logger.info("Compiled the model graph in %.2f s", seconds)
-        return seconds
+        self._logits(self._forward(self._dummy_inputs(token_sizes[0])), np.zeros(1, np.int64))
+        self.num_graphs = self._compiled_graphs()
+        logger.info("Compiled %d decoder graph(s) (tokens %s) and %d logits graph(s) in %.1f s: "
+                    "%d graphs in all", len(token_sizes),
+                    token_sizes if self.sizes.static else "dynamic",
+                    len(self.sizes.rows) if self.sizes.static else 1, compiled, self.num_graphs)
+        return time.perf_counter() - start
 
-    @staticmethod
-    def _graph_inputs(inputs: StepInputs) -> tuple:
-        as_tensor = ms.Tensor.from_numpy
-        return (as_tensor(inputs.input_ids), as_tensor(inputs.positions),
-                as_tensor(inputs.logits_index), *inputs.attn_metadata.tensors())
+    def _dummy_inputs(self, num_tokens: int) -> StepInputs:
+        """A step of padding tokens only (written nowhere, attending to nothing)."""
+        empty = np.zeros(0, np.int32)
+        return self._step_inputs(empty, empty, empty, empty, num_tokens, {})
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        logits = self.model(*self._graph_inputs(inputs))
-        compiles = len(self.model.compile_cache)
-        if compiles != self.num_compiles:
-            if self.num_compiles:
-                logger.warning("Model graph recompiled (%d graphs now) for %d tokens", compiles,
-                               len(inputs.input_ids))
-            self.num_compiles = compiles
-        return torch.from_numpy(logits.asnumpy())
+    def _compiled_graphs(self) -> int:
+        return len(self.model.compile_cache) + len(self.logits_head.compile_cache)
+
+    def _forward(self, inputs: StepInputs) -> ms.Tensor:
+        return self.model(*inputs.graph_inputs())
+
+    def _logits(self, hidden: ms.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Logits [len(rows), vocab] float32 of those rows of the decoder's output, the head
+        run on at most `sizes.max_rows` rows at a time."""
+        hidden = hidden.asnumpy()
+        chunks = []
+        for start in range(0, len(rows), self.sizes.max_rows):
+            chunk = rows[start:start + self.sizes.max_rows]
+            padded = np.zeros((self.sizes.padded_rows(len(chunk)), hidden.shape[1]),
+                              hidden.dtype)
+            padded[:len(chunk)] = hidden[chunk]
+            logits = self.logits_head(ms.Tensor.from_numpy(padded)).asnumpy()
+            chunks.append(torch.from_numpy(logits[:len(chunk)]))
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     # ---- request state -----------------------------------------------------------------------
     def _update_states(self, scheduler_output) -> None:
@@ -219,9 +300,6 @@ class MindSporeModelRunner:
         positions = (num_computed[request_of_token] + np.arange(query_start_loc[-1])
                      - query_start_loc[request_of_token]).astype(np.int32)
         input_ids = batch.token_ids_cpu[request_of_token, positions].astype(np.int32)
-        input_ids, positions, metadata = self._tokens_and_metadata(
-            input_ids, positions, query_start_loc, num_computed,
-            batch.block_table[0].get_numpy_array()[:num_reqs])
         logits_index = [query_start_loc[1:] - 1]
         prompt_rows = {}
         for req_id in self.num_prompt_logprobs:
@@ -234,69 +312,81 @@ class MindSporeModelRunner:
                               int(num_scheduled[index]) > remaining)
             prompt_rows[req_id] = rows
             logits_index.append(query_start_loc[index] + np.arange(rows.count, dtype=np.int32))
-        return StepInputs(input_ids, positions, np.concatenate(logits_index).astype(np.int32),
-                          metadata, query_start_loc, prompt_rows)
+        num_tokens = self.sizes.padded_tokens(self._tokens_across_dp(len(input_ids)))
+        inputs = self._step_inputs(input_ids, positions, num_scheduled, num_computed, num_tokens,
+                                   prompt_rows)
+        return inputs._replace(logits_index=np.concatenate(logits_index).astype(np.int64))
 
-    def _tokens_and_metadata(self, input_ids, positions, query_start_loc, num_computed,
-                             block_table):
-        """Attention metadata of the step; with expert parallel across DP engines, the batch is
-        first padded to the largest token count of any engine (the MoE collectives need equal
-        shapes) by one extra request of padding tokens at position 0 in vLLM's null block 0."""
-        pad = self._padding_across_dp(len(input_ids))
-        if pad:
-            zeros = np.zeros(pad, np.int32)
-            input_ids = np.concatenate((input_ids, zeros))
-            positions = np.concatenate((positions, zeros))
-            query_start_loc = np.append(query_start_loc, query_start_loc[-1] + pad)
-            num_computed = np.append(num_computed, 0)
-            block_table = np.vstack((block_table, np.zeros((1, block_table.shape[1]), np.int32)))
-        metadata = AttentionMetadata.build(positions, query_start_loc, num_computed, block_table,
-                                           self.block_size)
-        return input_ids, positions, metadata
+    def _step_inputs(self, input_ids, positions, num_scheduled, num_computed, num_tokens,
+                     prompt_rows) -> StepInputs:
+        """The step's arrays, padded to `num_tokens` tokens (padding: token 0 at position 0,
+        written to no slot, in no request)."""
+        pad = num_tokens - len(input_ids)
+        block_table = self.input_batch.block_table[0].get_numpy_array()
+        # Static graphs take every row of the block table (fixed capacity, unused rows have no
+        # tokens); dynamic ones only the step's requests.
+        rows = block_table if self.sizes.static else block_table[:len(num_scheduled)]
+        metadata = AttentionMetadata.build(num_scheduled, num_computed, positions, rows,
+                                           self.block_size, num_tokens)
+        prefill_only = (not self.sizes.static and not pad and len(num_computed) > 0
+                        and not num_computed.any())
+        return StepInputs(np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad)), metadata,
+                          prefill_only, num_scheduled, np.zeros(0, np.int64), prompt_rows)
 
-    def _padding_across_dp(self, num_tokens: int) -> int:
+    def _tokens_across_dp(self, num_tokens: int) -> int:
+        """With expert parallel across DP engines every engine steps with the same token count
+        (the MoE collectives need equal shapes): the largest of all engines."""
         if not self.pad_across_dp:
-            return 0
+            return num_tokens
         from vllm.distributed.parallel_state import get_dp_group
 
         most = torch.tensor([num_tokens], dtype=torch.int64)
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX,
                                      group=get_dp_group().cpu_group)
-        return max(int(most.item()), 1) - num_tokens
+        return max(int(most.item()), 1)
 
     def execute_dummy_batch(self) -> None:
         """Step of an idle DP engine while others run: the same collectives, no real token."""
-        if not self.pad_across_dp:
-            return
-        empty = np.zeros(0, np.int32)
-        block_table = np.zeros((0, self.input_batch.block_table[0].get_numpy_array().shape[1]),
-                               np.int32)
-        input_ids, positions, metadata = self._tokens_and_metadata(
-            empty, empty, np.zeros(1, np.int32), empty, block_table)
-        self._forward(StepInputs(input_ids, positions, np.zeros(1, np.int32), metadata,
-                                 np.zeros(1, np.int32), {}))
+        if self.pad_across_dp:
+            self._forward(self._dummy_inputs(self.sizes.padded_tokens(self._tokens_across_dp(0))))
 
     # ---- step ----------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput | None:
+        """Run the model on the step's tokens; sampling follows in `sample_tokens`."""
         self._update_states(scheduler_output)
         if not scheduler_output.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         start = time.perf_counter()
+        inputs = self._prepare_inputs(scheduler_output)
+        logits = self._logits(self._forward(inputs), inputs.logits_index)
+        if self._compiled_graphs() != self.num_graphs:
+            self.num_graphs = self._compiled_graphs()
+            logger.warning("Model graph recompiled (%d graphs now) for %d tokens",
+                           self.num_graphs, len(inputs.input_ids))
+        self.pending = PendingStep(scheduler_output, inputs, logits, start)
+        return None
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        scheduler_output, inputs, logits, start = self.pending
+        self.pending = None
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        inputs = self._prepare_inputs(scheduler_output)
-        num_scheduled = np.diff(inputs.query_start_loc)
-        logits = self._forward(inputs)
-
-        sampler_output = self.sampler(logits[:num_reqs], batch.sampling_metadata)
+        sample_logits = logits[:num_reqs]
+        if grammar_output is not None:
+            apply_grammar_bitmask(scheduler_output, grammar_output, batch, sample_logits)
+        # A request still inside its prompt (chunked prefill) samples nothing this step: its
+        # row is sampled with the others and dropped, without drawing from its seeded generator
+        # (so its tokens equal an unchunked run's).
+        seq_lens = batch.num_computed_tokens_cpu[:num_reqs] + inputs.num_scheduled
+        partial = np.nonzero(seq_lens < batch.num_tokens_no_spec[:num_reqs])[0]
+        metadata = batch.sampling_metadata
+        if metadata.generators and len(partial):
+            metadata = dataclasses.replace(metadata, generators={
+                i: g for i, g in metadata.generators.items() if i not in set(partial.tolist())})
+        sampler_output = self.sampler(sample_logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
-        # A request still inside its prompt (chunked prefill) samples nothing this step.
-        seq_lens = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled
-        for i in np.nonzero(seq_lens < batch.num_tokens_no_spec[:num_reqs])[0]:
+        for i in partial:
             sampled[i] = []
-            generator = batch.generators.get(int(i))
-            if generator is not None:  # undo the draw, as vLLM's GPU runner does
-                generator.set_offset(generator.get_offset() - 4)
 
         for i, token_ids in enumerate(sampled):
             if not token_ids:
@@ -317,8 +407,8 @@ class MindSporeModelRunner:
             pooler_output=[],
         )
         if envs.VLLM_MS_LOG_STEPS:
-            logger.info("step: %d reqs, %d tokens, %d graph(s), %.1f ms", num_reqs,
-                        len(inputs.input_ids), self.num_compiles,
+            logger.info("step: %d reqs, %d tokens (padded to %d), %d graph(s), %.1f ms", num_reqs,
+                        int(inputs.num_scheduled.sum()), len(inputs.input_ids), self.num_graphs,
                         (time.perf_counter() - start) * 1e3)
         return output
 

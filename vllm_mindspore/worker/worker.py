@@ -25,15 +25,25 @@ def _host_of(init_method: str) -> str:
     return "127.0.0.1"
 
 
-def init_mindspore(device_index: int) -> None:
+def init_mindspore(device_index: int, cpu_threads: int) -> None:
+    """MindSpore for this rank: graph mode; on Ascend the kernel-by-kernel runtime with
+    infer_boost (which selects the fused inference kernels and feeds them the per-request
+    lengths by graph-input name); on CPU this rank's share of the cores for MindSpore's op
+    threads and the plugin's kernels (MindSpore's default, 25 op threads, oversubscribes small
+    hosts)."""
     os.environ.setdefault("GLOG_v", "3")  # read once, at `import mindspore`
     import mindspore as ms
 
     if DEVICE == ASCEND:
         ms.set_device("Ascend", device_index)
-    else:
-        ms.set_device("CPU")
+        ms.set_context(mode=ms.GRAPH_MODE, jit_config={"jit_level": "O0", "infer_boost": "on"})
+        return
+    ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
+    ms.device_context.cpu.op_tuning.threads_num(cpu_threads)
+    from vllm_mindspore.ops import kernels
+
+    kernels.set_num_threads(cpu_threads)
 
 
 class MindSporeWorker(WorkerBase):
@@ -48,7 +58,8 @@ class MindSporeWorker(WorkerBase):
                                      self.local_rank, "gloo")
         ensure_model_parallel_initialized(parallel.tensor_parallel_size,
                                           parallel.pipeline_parallel_size)
-        init_mindspore(parallel.get_local_gpu_index(self.local_rank))
+        init_mindspore(parallel.get_local_gpu_index(self.local_rank),
+                       max(1, len(os.sched_getaffinity(0)) // parallel.local_world_size))
         from vllm.distributed.parallel_state import get_tp_group, get_world_group
 
         tp = get_tp_group()
@@ -126,7 +137,7 @@ class MindSporeWorker(WorkerBase):
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output):
-        raise RuntimeError("MindSporeWorker returns sampled tokens from execute_model.")
+        return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
         return None

@@ -1,0 +1,360 @@
+// CPU kernels behind vllm_mindspore.ops.attention / ops.mla, called by MindSpore as
+// `ops.Custom(func_type="aot")` operators inside the model graph.
+//
+// One call does one attention layer of a packed step: it writes this step's keys/values into
+// the paged cache, then attends every query token over its request's cached context (earlier
+// chunks, prefix-cache hits and this step's tokens alike), causally. Any mix of prefill chunks
+// and decodes is handled without padding: the work is exactly sum over tokens of (position + 1)
+// keys. Shapes depend only on the step's token count T and the fixed request capacity B.
+//
+// Cache layouts (per block of `bs` slots, chosen for the loops below):
+//   MHA key   [num_blocks, KVH, D, bs]   keys transposed in a block: q.K over a block is bs-wide FMAs
+//   MHA value [num_blocks, KVH, bs, Dv]
+//   MLA       [num_blocks, L, bs]        one latent "head" per slot, L = kv_lora_rank + rope dim;
+//                                        its first Dv channels are the values
+// Step metadata (int32): slot_mapping [T] (-1: padding token, not written), block_tables [B, MB],
+// seq_lens [B] (context + this step's tokens), q_lens [B] (this step's tokens; 0: unused row).
+// Tokens are packed request after request in the order of the rows.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+int g_num_threads = 1;
+
+using half = uint16_t;
+
+inline float to_float(float x) { return x; }
+inline float to_float(half x) { return _cvtsh_ss(x); }
+inline void from_float(float x, float *out) { *out = x; }
+inline void from_float(float x, half *out) { *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+template <typename T>
+inline void load(const T *src, float *dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// exp(x) for x <= 0 with Cephes' single-precision polynomial (about 1 ulp), written so the
+// compiler vectorises it.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float e = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &e, sizeof(bits));
+  bits += static_cast<int32_t>(k) << 23;
+  std::memcpy(&e, &bits, sizeof(bits));
+  return e;
+}
+
+struct Shape {
+  int64_t num_tokens, num_heads, num_kv_heads, head_dim, v_head_dim, block_size;
+  int64_t num_rows, max_blocks;  // block table: [num_rows, max_blocks]
+  int64_t query_stride, key_stride;  // elements from one token's query (key) to the next's
+  bool latent;                   // MLA: one cache, values are its first v_head_dim channels
+  float scale;
+};
+
+// A unit of work: one request's queries [q0, q1) for heads [h0, h1) of one KV head.
+struct Item {
+  int64_t row, kv_head, h0, h1, q0, q1, first_token, context_start;
+};
+
+template <typename T>
+void write_cache(const Shape &s, const T *key, const T *value, T *key_cache, T *value_cache,
+                 const int32_t *slot_mapping) {
+  const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / bs, offset = slot % bs;
+    for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
+      const T *k = key + t * s.key_stride + kvh * D;
+      T *kt = key_cache + (block * s.num_kv_heads + kvh) * D * bs + offset;
+      for (int64_t d = 0; d < D; ++d) kt[d * bs] = k[d];
+      if (!s.latent) {
+        std::memcpy(value_cache + ((block * s.num_kv_heads + kvh) * bs + offset) * Dv,
+                    value + (t * s.num_kv_heads + kvh) * Dv, Dv * sizeof(T));  // v: contiguous
+      }
+    }
+  }
+}
+
+// Register-blocked inner loops: R rows (query heads) against one block, 16 keys or value
+// channels at a time held in vector registers (GCC vector extensions: zmm with AVX-512, ymm
+// pairs with AVX2), so each key/value row is loaded once for all R rows.
+typedef float lanes __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 8;
+
+inline lanes load_lanes(const float *p) {
+  lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+// s[r][k] = q[r] . key k of the block, for the block's bs keys (stored transposed: kt[d][k]).
+template <int R>
+void block_scores(const float *__restrict q, const float *__restrict kt, int64_t D, int64_t bs,
+                  float *__restrict s) {
+  int64_t c = 0;
+  for (; c + kLanes <= bs; c += kLanes) {
+    lanes acc[R] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const lanes kd = load_lanes(kt + d * bs + c);
+      for (int r = 0; r < R; ++r) acc[r] += q[r * D + d] * kd;
+    }
+    for (int r = 0; r < R; ++r) store_lanes(s + r * bs + c, acc[r]);
+  }
+  for (; c < bs; ++c) {  // block sizes that are not a multiple of 16
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * kt[d * bs + c];
+      s[r * bs + c] = acc;
+    }
+  }
+}
+
+// out[r] += sum over the first `keys` keys k of p[r][k] * v[k] (v: [bs][Dv]).
+template <int R>
+void block_values(const float *__restrict p, const float *__restrict v, int64_t keys,
+                  int64_t bs, int64_t Dv, float *__restrict out) {
+  int64_t c = 0;
+  for (; c + kLanes <= Dv; c += kLanes) {
+    lanes acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load_lanes(out + r * Dv + c);
+    for (int64_t k = 0; k < keys; ++k) {
+      const lanes vk = load_lanes(v + k * Dv + c);
+      for (int r = 0; r < R; ++r) acc[r] += p[r * bs + k] * vk;
+    }
+    for (int r = 0; r < R; ++r) store_lanes(out + r * Dv + c, acc[r]);
+  }
+  for (; c < Dv; ++c)
+    for (int r = 0; r < R; ++r)
+      for (int64_t k = 0; k < keys; ++k) out[r * Dv + c] += p[r * bs + k] * v[k * Dv + c];
+}
+
+template <int R = kMaxRows>
+void block_scores_n(int rows, const float *q, const float *kt, int64_t D, int64_t bs, float *s) {
+  if constexpr (R > 1) {
+    if (rows < R) return block_scores_n<R - 1>(rows, q, kt, D, bs, s);
+  }
+  block_scores<R>(q, kt, D, bs, s);
+}
+
+template <int R = kMaxRows>
+void block_values_n(int rows, const float *p, const float *v, int64_t keys, int64_t bs,
+                    int64_t Dv, float *out) {
+  if constexpr (R > 1) {
+    if (rows < R) return block_values_n<R - 1>(rows, p, v, keys, bs, Dv, out);
+  }
+  block_values<R>(p, v, keys, bs, Dv, out);
+}
+
+// Blocks are scattered in memory, beyond the hardware prefetcher's reach: ask for the next
+// block's lines while the current one is computed.
+inline void prefetch(const void *start, int64_t bytes) {
+  const char *p = static_cast<const char *>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+template <typename T>
+void attend(const Shape &s, const Item &item, const T *query, const T *key_cache,
+            const T *value_cache, const int32_t *block_table, T *out) {
+  const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
+  const int64_t heads = item.h1 - item.h0, rows = heads * (item.q1 - item.q0);
+  thread_local std::vector<float> q_buf, acc_buf, m_buf, l_buf, k_buf, v_buf, p_buf;
+  q_buf.resize(rows * D);
+  acc_buf.assign(rows * Dv, 0.0f);
+  m_buf.assign(rows, -std::numeric_limits<float>::infinity());
+  l_buf.assign(rows, 0.0f);
+  k_buf.resize(D * bs);
+  v_buf.resize(bs * Dv);
+  p_buf.resize(rows * bs);
+  float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict m = m_buf.data();
+  float *__restrict l = l_buf.data(), *__restrict p = p_buf.data();
+  // Row r = (query i - q0) * heads + head: rows of one query are adjacent.
+  for (int64_t i = item.q0; i < item.q1; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float *qr = q + ((i - item.q0) * heads + h) * D;
+      load(query + (item.first_token + i) * s.query_stride + (item.h0 + h) * D, qr, D);
+      for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
+    }
+  }
+  const int64_t visible_max = item.context_start + item.q1;  // keys seen by the last query
+  const int64_t num_blocks = (visible_max + bs - 1) / bs;
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const int64_t block = block_table[j];
+    const T *kt = key_cache + (block * s.num_kv_heads + item.kv_head) * D * bs;
+    if (j + 1 < num_blocks) {
+      const int64_t next = block_table[j + 1] * s.num_kv_heads + item.kv_head;
+      prefetch(key_cache + next * D * bs, D * bs * sizeof(T));
+      if (!s.latent) prefetch(value_cache + next * bs * Dv, bs * Dv * sizeof(T));
+    }
+    const float *kf;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = kt;
+    } else {
+      load(kt, k_buf.data(), D * bs);
+      kf = k_buf.data();
+    }
+    const float *vf;
+    if (s.latent) {  // values: the block's first Dv channels, transposed to [bs, Dv]
+      for (int64_t k = 0; k < bs; ++k)
+        for (int64_t d = 0; d < Dv; ++d) v_buf[k * Dv + d] = kf[d * bs + k];
+      vf = v_buf.data();
+    } else if constexpr (std::is_same_v<T, float>) {
+      vf = value_cache + (block * s.num_kv_heads + item.kv_head) * bs * Dv;
+    } else {
+      load(value_cache + (block * s.num_kv_heads + item.kv_head) * bs * Dv, v_buf.data(),
+           bs * Dv);
+      vf = v_buf.data();
+    }
+    // Queries before position j * bs see nothing of this block.
+    const int64_t first_query = std::max(item.q0, j * bs - item.context_start);
+    for (int64_t r0 = (first_query - item.q0) * heads; r0 < rows; r0 += kMaxRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      block_scores_n(n, q + r0 * D, kf, D, bs, p + r0 * bs);
+      int64_t keys = 0;  // the most keys any of these rows sees in this block
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        const int64_t i = item.q0 + r / heads;
+        const int64_t visible = std::min<int64_t>(bs, item.context_start + i + 1 - j * bs);
+        keys = std::max(keys, visible);
+        float *pr = p + r * bs;
+        float block_max = pr[0];
+        for (int64_t k = 1; k < visible; ++k) block_max = std::max(block_max, pr[k]);
+        if (block_max > m[r]) {
+          const float correction = exp_nonpositive(m[r] - block_max);  // exp(-inf) -> ~0
+          l[r] *= correction;
+          for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= correction;
+          m[r] = block_max;
+        }
+        const float mr = m[r];
+        float sum = 0.0f;
+        for (int64_t k = 0; k < bs; ++k) {
+          pr[k] = k < visible ? exp_nonpositive(pr[k] - mr) : 0.0f;
+          sum += pr[k];
+        }
+        l[r] += sum;
+      }
+      block_values_n(n, p + r0 * bs, vf, keys, bs, Dv, acc + r0 * Dv);
+    }
+  }
+  for (int64_t i = item.q0; i < item.q1; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t r = (i - item.q0) * heads + h;
+      const float inv = 1.0f / l[r];
+      T *o = out + ((item.first_token + i) * s.num_heads + item.h0 + h) * Dv;
+      for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
+    }
+  }
+}
+
+template <typename T>
+int run(const Shape &s, const T *query, const T *key, const T *value, T *key_cache,
+        T *value_cache, const int32_t *slot_mapping, const int32_t *block_tables,
+        const int32_t *seq_lens, const int32_t *q_lens, T *out) {
+  write_cache(s, key, value, key_cache, value_cache, slot_mapping);
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  // Heads of one KV head share each converted block; MLA's many heads are split in chunks so
+  // one request's decode still spreads over the threads.
+  const int64_t head_chunk = std::min<int64_t>(group, 16);
+  const int64_t queries_per_item = std::max<int64_t>(1, 64 / head_chunk);
+  std::vector<Item> items;
+  int64_t token = 0;
+  for (int64_t row = 0; row < s.num_rows; ++row) {
+    const int64_t q_len = q_lens[row];
+    if (q_len <= 0) continue;
+    const int64_t context_start = seq_lens[row] - q_len;
+    if (context_start < 0 || token + q_len > s.num_tokens ||
+        seq_lens[row] > s.max_blocks * s.block_size) {
+      return 1;  // inconsistent metadata: MindSpore raises instead of reading out of bounds
+    }
+    for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
+      for (int64_t h0 = 0; h0 < group; h0 += head_chunk)
+        for (int64_t q0 = 0; q0 < q_len; q0 += queries_per_item)
+          items.push_back({row, kvh, kvh * group + h0, kvh * group + std::min(group, h0 + head_chunk),
+                           q0, std::min(q_len, q0 + queries_per_item), token, context_start});
+    token += q_len;
+  }
+  // Padding tokens after the last request: zero output.
+  std::memset(static_cast<void *>(out + token * s.num_heads * s.v_head_dim), 0,
+              (s.num_tokens - token) * s.num_heads * s.v_head_dim * sizeof(T));
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(g_num_threads) if (num_items > 1)
+  for (int64_t n = 0; n < num_items; ++n) {
+    const Item &item = items[n];
+    attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks, out);
+  }
+  return 0;
+}
+
+bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
+
+}  // namespace
+
+extern "C" {
+
+void SetNumThreads(int num_threads) { g_num_threads = std::max(1, num_threads); }
+
+// qk [T, H + KVH, D] (each token's H query heads, then its KVH key heads), v [T, KVH, Dv],
+// key_cache [NB, KVH, D, bs], value_cache [NB, KVH, bs, Dv], slot_mapping [T], block_tables
+// [B, MB], seq_lens [B], q_lens [B], scale [1] (float32) -> out [T, H, Dv]
+int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                   void *stream, void *extra) {
+  if (nparam != 10) return 1;
+  const int64_t kv_heads = shapes[1][1], heads = shapes[0][1] - kv_heads, D = shapes[0][2];
+  Shape s{shapes[0][0], heads,        kv_heads,     D,
+          shapes[1][2], shapes[2][3], shapes[5][0], shapes[5][1],
+          (heads + kv_heads) * D,     (heads + kv_heads) * D,
+          false,        *static_cast<float *>(params[8])};
+  auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
+  if (is_half(dtypes[0])) {
+    half *qk = static_cast<half *>(params[0]);
+    return run(s, qk, qk + heads * D, static_cast<half *>(params[1]),
+               static_cast<half *>(params[2]), static_cast<half *>(params[3]), i32(4), i32(5),
+               i32(6), i32(7), static_cast<half *>(params[9]));
+  }
+  float *qk = static_cast<float *>(params[0]);
+  return run(s, qk, qk + heads * D, static_cast<float *>(params[1]),
+             static_cast<float *>(params[2]), static_cast<float *>(params[3]), i32(4), i32(5),
+             i32(6), i32(7), static_cast<float *>(params[9]));
+}
+
+// q [T, H, L], latent [T, L], cache [NB, L, bs], slot_mapping [T], block_tables [B, MB],
+// seq_lens [B], q_lens [B], scale [1] (float32) -> out [T, H, Dv] (Dv: the values' channels)
+int MLAPagedAttention(int nparam, void **params, int *ndims, int64_t **shapes,
+                      const char **dtypes, void *stream, void *extra) {
+  if (nparam != 9) return 1;
+  const int64_t L = shapes[0][2];
+  Shape s{shapes[0][0], shapes[0][1], 1,  L, shapes[8][2], shapes[2][2], shapes[4][0],
+          shapes[4][1], shapes[0][1] * L, L, true,         *static_cast<float *>(params[7])};
+  auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
+  if (is_half(dtypes[0]))
+    return run(s, static_cast<half *>(params[0]), static_cast<half *>(params[1]),
+               static_cast<half *>(nullptr), static_cast<half *>(params[2]),
+               static_cast<half *>(nullptr), i32(3), i32(4), i32(5), i32(6),
+               static_cast<half *>(params[8]));
+  return run(s, static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+             static_cast<float *>(nullptr), static_cast<float *>(params[2]),
+             static_cast<float *>(nullptr), i32(3), i32(4), i32(5), i32(6),
+             static_cast<float *>(params[8]));
+}
+
+}  // extern "C"

@@ -1,0 +1,23 @@
+"""Weights rearranged on the host once they are loaded (fusing, transposing, splitting,
+stacking): numpy in and out, so the same code serves every device and dtype (bfloat16, which
+numpy lacks, passes through float32 exactly)."""
+
+import mindspore as ms
+import numpy as np
+
+_NUMPY = {ms.float32: np.float32, ms.float16: np.float16, ms.int8: np.int8, ms.int32: np.int32}
+
+
+def to_host(tensor: ms.Tensor) -> np.ndarray:
+    if tensor.dtype == ms.bfloat16:
+        return tensor.astype(ms.float32).asnumpy()
+    return tensor.asnumpy()
+
+
+def parameter(array: np.ndarray, dtype, name: str) -> ms.Parameter:
+    """A Parameter of `dtype` named `name` holding `array`."""
+    if dtype == ms.bfloat16:
+        tensor = ms.Tensor(np.ascontiguousarray(array, np.float32), ms.bfloat16)
+    else:
+        tensor = ms.Tensor.from_numpy(np.ascontiguousarray(array, _NUMPY[dtype]))
+    return ms.Parameter(tensor, name=name, requires_grad=False)

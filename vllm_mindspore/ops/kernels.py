@@ -1,0 +1,82 @@
+"""The plugin's C++ CPU kernels, built on first use and loaded as MindSpore AOT custom ops.
+
+MindSpore registers no fused LLM kernel on CPU, and a chain of its small ops costs a few
+microseconds of dispatch each plus a copy per intermediate; the hot spots (paged attention) are
+therefore one C++ operator each (`csrc/`), called from the graph through
+`ops.Custom(func_type="aot")`. The library is compiled once per source, compiler and CPU
+(`-O3 -march=native -fopenmp`) into `~/.cache/vllm-mindspore/kernels/` and reused; several
+processes building at once each write their own file and rename it into place.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.vllm_mindspore.kernels")
+
+_SOURCES = ("paged_attention.cc",)
+_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def _cache_dir() -> str:
+    return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")),
+                        "vllm-mindspore", "kernels")
+
+
+def _build_key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            digest.update(f.read())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout)
+    with open("/proc/cpuinfo", "rb") as f:  # -march=native: a library per CPU model
+        digest.update(next((line for line in f if line.startswith(b"flags")), b""))
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def library_path() -> str:
+    """Path of the compiled kernel library, building it if this source/CPU has none yet."""
+    compiler = os.environ.get("CXX", "g++")
+    try:
+        key = _build_key(compiler)
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise RuntimeError(f"vllm-mindspore builds its CPU kernels with a C++17 compiler, and "
+                           f"{compiler!r} is not usable ({error}). Install g++ (Debian/Ubuntu: "
+                           "apt-get install g++) or point CXX at one.") from error
+    path = os.path.join(_cache_dir(), f"libvllm_ms_kernels-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(_cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    os.close(fd)
+    cmd = [compiler, *_FLAGS, "-o", tmp, *(os.path.join(_CSRC, s) for s in _SOURCES)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"Building vllm-mindspore's CPU kernels failed:\n{' '.join(cmd)}\n"
+                           f"{result.stderr[-4000:]}")
+    os.replace(tmp, path)
+    logger.info("Built CPU kernels: %s", path)
+    return path
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Threads each kernel call may use (the worker's share of the host's cores)."""
+    ctypes.CDLL(library_path()).SetNumThreads(int(num_threads))
+
+
+def custom_op(function: str, out_shape, out_dtype):
+    """`ops.Custom` running `function` of the kernel library; out_shape/out_dtype map the input
+    shapes/dtypes to the output's."""
+    from mindspore import ops
+
+    return ops.Custom(f"{library_path()}:{function}", out_shape=out_shape, out_dtype=out_dtype,
+                      func_type="aot")
