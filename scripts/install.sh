@@ -10,9 +10,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_MS_VENV:-$HOME/.cache/vllm-mindspore/venv}"
 PY_BOOT="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
-TORCH_VERSION=2.13.0
-VLLM_VERSION=0.33.0
-MINDSPORE_VERSION=2.10.0
+# TORCH_VERSION, VLLM_VERSION, MINDSPORE_VERSION: one source of truth, shared with the Dockerfile.
+. "$ROOT/scripts/versions.env"
 
 log() { printf '[install] %s\n' "$*" >&2; }
 
