@@ -26,4 +26,4 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench: install $(DEMO_MODEL)/config.json
-	$(PY) benchmarks/throughput.py --model $(DEMO_MODEL)
+	$(PY) benchmarks/throughput.py --model $(DEMO_MODEL) --engines vllm-mindspore,hf --workloads offline --repeats 1
