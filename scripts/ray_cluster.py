@@ -389,10 +389,12 @@ def start(args, role: str) -> int:
     if args.temp_dir and role == "head":
         cmd.append(f"--temp-dir={args.temp_dir}")
     cmd += args.ray_args
-    ray_env = dict(env)
+    added = {}
     if node_ip in LOOPBACK or (role == "join" and args.address.split(":")[0] in LOOPBACK):
-        # Otherwise Ray replaces 127.0.0.1 by the host's routable address and listens there.
-        ray_env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # Otherwise Ray replaces 127.0.0.1 by the host's routable address: the nodes listen there
+        # and a driver (vllm-mindspore serve) looks for the GCS there. `env` exports it too.
+        added["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray_env = {**env, **added}
 
     os.makedirs(args.state_dir, exist_ok=True)
     log_path = os.path.join(args.state_dir, "ray_start.log")
@@ -422,7 +424,7 @@ def start(args, role: str) -> int:
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(), "device": device, "devices": devices,
         "env_file": os.path.abspath(args.env_file) if args.env_file else None,
-        "env_file_vars": file_vars, "env": watched(env, file_vars),
+        "env_file_vars": file_vars, "env": watched(env, file_vars), "ray_env": added,
         "state_dir": args.state_dir, "command": cmd, "argv": list(sys.argv),
     }
     write_state(args, state)
@@ -495,6 +497,8 @@ def cmd_env(args) -> int:
         return FAILED
     changed = report_env(state, None)
     print(f"export RAY_ADDRESS={shlex.quote(state['address'])}")
+    for name, value in sorted(state.get("ray_env", {}).items()):
+        print(f"export {name}={shlex.quote(value)}")
     for name, value in sorted(state.get("env_file_vars", {}).items()):
         print(f"unset {name}" if value is None else f"export {name}={shlex.quote(value)}")
     return ENV_CHANGED if changed else OK
