@@ -38,9 +38,8 @@ COPY yaml_configs/ yaml_configs/
 COPY docs/ docs/
 
 # Exactly what `make install` does on a machine: the same script, the same pins.
-RUN PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" \
-    PYTHON="$(command -v python3.11 || command -v python3)" \
-    bash scripts/install.sh \
+RUN if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}"; fi \
+    && PYTHON="$(command -v python3.11 || command -v python3)" bash scripts/install.sh \
     && python scripts/check_stack.py
 
 CMD ["bash"]
