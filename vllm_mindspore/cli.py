@@ -1,5 +1,8 @@
 """`vllm-mindspore`: vLLM's own command line (serve, chat, complete, bench, ...) with this
-plugin's environment defaults applied first, plus `vllm-mindspore models` (what is supported)."""
+plugin's environment defaults applied first, plus `vllm-mindspore models` (what is supported).
+
+Before vLLM starts, the plugin's environment variables are checked (a bad value stops the command
+with one line naming it); `serve` exits with status 1 when it stopped because its engine died."""
 
 import os
 import sys
@@ -11,8 +14,18 @@ def set_env_defaults() -> None:
     os.environ.setdefault("GLOG_v", "3")
 
 
+def check_environment() -> None:
+    from vllm_mindspore import envs
+
+    try:
+        envs.check_all()
+    except ValueError as error:
+        sys.exit(f"vllm-mindspore: error: {error}")
+
+
 def main() -> None:
     set_env_defaults()
+    check_environment()
     if sys.argv[1:2] == ["models"]:
         from model_backends import describe_registry, select_backend
 

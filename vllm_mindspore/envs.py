@@ -8,8 +8,19 @@ from collections.abc import Callable
 from typing import Any
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
 def _flag(name: str, default: str = "0") -> Callable[[], bool]:
-    return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+    def read() -> bool:
+        value = os.environ.get(name, default).strip().lower()
+        if value not in _TRUE + _FALSE:
+            raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 1 or 0 (also "
+                             "true/false, yes/no, on/off).")
+        return value in _TRUE
+
+    return read
 
 
 def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
@@ -104,6 +115,22 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
 
 # Other spellings of a variable above (read by its getter).
 ALIASES = {"vLLM_MODEL_BACKEND": "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND": "VLLM_MODEL_BACKEND"}
+
+# Set by the plugin itself for its own child processes (not for users): known to vLLM's check.
+INTERNAL_VARIABLES = (
+    "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED",  # model_backends/mindformers.py
+    "VLLM_MS_SCHEDULER_PARENT", "VLLM_MS_SCHEDULER_DEVICE",  # distributed/communication.py
+)
+
+
+def check_all() -> None:
+    """Read every variable above: a malformed value raises ValueError naming the variable
+    (the model backend's name included)."""
+    for read, _ in ENVIRONMENT_VARIABLES.values():
+        read()
+    from model_backends import select_backend
+
+    select_backend()
 
 
 def __getattr__(name: str) -> Any:

@@ -161,19 +161,20 @@ class MindSporePlatform(Platform):
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
         """vLLM's check of VLLM_* variables, knowing the plugin's own (vllm_mindspore/envs.py),
-        whose values are also checked: a bad one is an error naming the variable."""
+        whose values are also checked (set or not, whatever their prefix): a bad one is an
+        error naming the variable."""
         from vllm import envs as vllm_envs
 
+        envs.check_all()
         for name in os.environ:
             if not name.startswith("VLLM_") or name in vllm_envs.environment_variables:
                 continue
             known = envs.ALIASES.get(name, name)
-            if known in envs.ENVIRONMENT_VARIABLES:
-                getattr(envs, known)  # raises ValueError naming the variable if malformed
-            elif hard_fail:
+            if known in envs.ENVIRONMENT_VARIABLES or known in envs.INTERNAL_VARIABLES:
+                continue
+            if hard_fail:
                 raise ValueError(f"Unknown vLLM environment variable detected: {name}")
-            else:
-                logger.warning("Unknown vLLM environment variable detected: %s", name)
+            logger.warning("Unknown vLLM environment variable detected: %s", name)
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
