@@ -89,6 +89,39 @@ def check_world_fits_devices(local_world_size: int, device: str, npus: int) -> N
             "(Ray, or --data-parallel-size-local with --headless secondaries).")
 
 
+def unsupported_features(vllm_config) -> list[str]:
+    """What the configuration asks for that the plugin's worker cannot do, each with the flag
+    that asked for it. Refused at start-up: served anyway, each would crash a step mid-serve or
+    answer silently wrong (an adapter, draft model, quantization or cache dtype ignored)."""
+    found = []
+    model_config = vllm_config.model_config
+    if vllm_config.lora_config is not None:
+        found.append("LoRA adapters (--enable-lora): merge the adapter into the checkpoint")
+    if vllm_config.speculative_config is not None:
+        found.append("speculative decoding (--speculative-config)")
+    if model_config is not None:
+        if model_config.runner_type != "generate":
+            found.append(f"the {model_config.runner_type!r} runner (--runner/--convert: "
+                         "embedding, classification, scoring, reward): only text generation "
+                         "is implemented")
+        if model_config.quantization is not None:
+            found.append(f"quantization {model_config.quantization!r} (--quantization or a "
+                         "quantized checkpoint): use a float32/float16/bfloat16 checkpoint")
+        if getattr(model_config, "enable_prompt_embeds", False):
+            found.append("prompt embeddings (--enable-prompt-embeds)")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    model_dtype = str(model_config.dtype).removeprefix("torch.") if model_config else None
+    if cache_dtype not in ("auto", model_dtype):
+        found.append(f"--kv-cache-dtype {cache_dtype}: the KV cache is kept in the model's dtype")
+    return found
+
+
+def check_supported_features(vllm_config) -> None:
+    found = unsupported_features(vllm_config)
+    if found:
+        raise NotImplementedError("vllm-mindspore does not support " + "; ".join(found) + ".")
+
+
 class MindSporePlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = "cpu"
@@ -240,6 +273,7 @@ class MindSporePlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is not None:
             check_dtype_for_device(DEVICE, str(model_config.dtype).removeprefix("torch."))
+        check_supported_features(vllm_config)
         logger.info(
             "MindSpore platform on %s: worker=%s executor=%s tp=%d dp=%d block_size=%d",
             DEVICE, parallel.worker_cls, parallel.distributed_executor_backend,
