@@ -35,8 +35,18 @@ def main() -> None:
         return
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    from vllm_mindspore import patches
+
+    if sys.argv[1:2] == ["serve"]:
+        patches.enable_api_server_patches()
     sys.argv[0] = "vllm-mindspore"
-    vllm_main()
+    try:
+        vllm_main()
+    finally:
+        if patches.engine_failed():
+            # Raised from `finally`, this also replaces a SystemExit(0) from vLLM.
+            sys.exit("vllm-mindspore: the engine stopped after an error (see the log above); "
+                     "exiting with status 1.")
 
 
 if __name__ == "__main__":

@@ -41,10 +41,87 @@ _SHUTDOWN_REASON = (
     "empty_cache() and empty_host_cache() on every non-CPU platform; with a CPU-only torch they "
     "raise at engine shutdown. Our models' memory is MindSpore's, not torch's.")
 
+# The API server process of `vllm-mindspore serve` (set by vllm_mindspore.cli before vLLM runs):
+# the patches that only concern the HTTP front end apply there, not in engine or worker processes.
+_api_server = False
+# Set when the API server stops because its engine died (read by vllm_mindspore.cli).
+_engine_failed = False
+
+
+def _in_api_server() -> bool:
+    return _api_server
+
+
+def engine_failed() -> bool:
+    """The API server is stopping (or stopped) because its engine core died."""
+    return _engine_failed
+
+
+_shutting_down = False  # the API server asked its engine to stop (SIGTERM/SIGINT, exit)
+
+
+def _record_engine_death(original):
+    def terminate_if_errored(server, engine):
+        global _engine_failed
+        # After a requested shutdown the engine reads as errored too: that is no failure.
+        if engine.errored and not engine.is_running and not _shutting_down:
+            _engine_failed = True
+        return original(server, engine)
+
+    return terminate_if_errored
+
+
+def _shutdown_ends_pending_requests(original):
+    def shutdown(self, *args, **kwargs):
+        global _shutting_down
+        _shutting_down = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            # The engine is gone: every request still waiting for output ends with the error
+            # vLLM uses for a dead engine, on the event loop that owns the request queues.
+            handler = getattr(self, "output_handler", None)
+            processor = getattr(self, "output_processor", None)
+            if handler is not None and processor is not None:
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                try:
+                    handler.get_loop().call_soon_threadsafe(processor.propagate_error,
+                                                            EngineDeadError())
+                except RuntimeError:  # the loop is already closed: no request is waiting
+                    pass
+
+    return shutdown
+
+
+_ENGINE_DEATH_REASON = (
+    "When the engine core dies (a worker crashed, a rank or its communication was lost, a step "
+    "raised), vLLM's API server stops through terminate_if_errored() and then returns normally: "
+    "`vllm serve` exits with status 0 after a crash. Recording the death lets "
+    "`vllm-mindspore serve` exit non-zero, so supervisors and scripts see the failure. "
+    "vllm_error imports the function by name, so both references are wrapped.")
+
 PATCHES: list[Patch] = [
     Patch(target=f"torch.accelerator:{name}", reason=_SHUTDOWN_REASON, vllm_version="0.33.0",
           replacement=_noop_when_no_accelerator, when=_no_accelerator)
     for name in ("empty_cache", "empty_host_cache")
+] + [
+    Patch(target=f"{module}:terminate_if_errored", reason=_ENGINE_DEATH_REASON,
+          vllm_version="0.33.0", replacement=_record_engine_death, when=_in_api_server)
+    for module in ("vllm.entrypoints.launchers.launcher",
+                   "vllm.entrypoints.serve.exception_handling.handlers.vllm_error")
+] + [
+    Patch(target="vllm.v1.engine.async_llm:AsyncLLM.shutdown", reason=(
+        "On SIGTERM/SIGINT the API server stops the engine (abort mode) and cancels the output "
+        "handler; when the cancel wins the race against the handler noticing the dead engine, "
+        "no in-flight request is told: their streams stay open and uvicorn waits for them "
+        "('Waiting for connections to close') until every client gives up. The patched "
+        "shutdown ends each pending request with EngineDeadError (an error event or a 500, as "
+        "when the engine dies), so the server exits within seconds. It also records that the "
+        "shutdown was asked for: the engine then reads as errored, and that must stay a clean "
+        "exit (see terminate_if_errored)."),
+          vllm_version="0.33.0", replacement=_shutdown_ends_pending_requests,
+          when=_in_api_server),
 ]
 
 _applied: set[str] = set()
@@ -59,11 +136,28 @@ def _resolve(target: str):
     return owner, attr
 
 
+def enable_api_server_patches() -> None:
+    """This process is `vllm-mindspore serve`'s API server: apply its patches too."""
+    global _api_server
+    _api_server = True
+    apply_patches()
+
+
+_applying = False
+
+
 def apply_patches() -> None:
-    for patch in PATCHES:
-        if patch.target in _applied or not patch.when():
-            continue
-        owner, attr = _resolve(patch.target)
-        setattr(owner, attr, patch.replacement(getattr(owner, attr)))
-        _applied.add(patch.target)
-        logger.debug("patched %s (%s)", patch.target, patch.reason)
+    global _applying
+    if _applying:  # re-entered from a target's import (which imports the platform): the outer
+        return     # call goes on with the rest
+    _applying = True
+    try:
+        for patch in PATCHES:
+            if patch.target in _applied or not patch.when():
+                continue
+            owner, attr = _resolve(patch.target)
+            setattr(owner, attr, patch.replacement(getattr(owner, attr)))
+            _applied.add(patch.target)
+            logger.debug("patched %s (%s)", patch.target, patch.reason)
+    finally:
+        _applying = False
