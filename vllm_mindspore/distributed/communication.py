@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from vllm.logger import init_logger
@@ -68,6 +69,23 @@ def _start_scheduler(host: str, port: int, world_size: int, device: str) -> None
     _scheduler = subprocess.Popen([sys.executable, "-c", _SCHEDULER_PROGRAM], env=env,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, close_fds=True)
+    threading.Thread(target=_watch_scheduler, args=(_scheduler, host, port), daemon=True,
+                     name="vllm-ms-scheduler-watch").start()
+
+
+def _watch_scheduler(scheduler: subprocess.Popen, host: str, port: int) -> None:
+    """The scheduler holds MindSpore's cluster together; without it every rank's collectives
+    are lost and MindSpore ends the ranks silently some 30 s later. Its death before our own
+    shutdown stops this rank at once with the cause, which makes vLLM stop the engine."""
+    code = scheduler.wait()
+    if _scheduler is not scheduler:  # shutdown_communication() stopped it
+        return
+    logger.error("MindSpore's communication scheduler (pid %d, %s:%d) exited with status %s: "
+                 "collective communication between the ranks is lost. Stopping rank 0 so that "
+                 "vLLM shuts the engine down.", scheduler.pid, host, port, code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def init_communication(rank: int, world_size: int, cpu_group, host: str, device: str,
@@ -156,6 +174,6 @@ def _exit_now() -> None:
 def shutdown_communication() -> None:
     """Stop the scheduler started by rank 0 (not waited for: it waits for the workers)."""
     global _scheduler
-    if _scheduler is not None:
-        _scheduler.kill()
-        _scheduler = None
+    scheduler, _scheduler = _scheduler, None  # first: its watcher then knows the exit is ours
+    if scheduler is not None:
+        scheduler.kill()
