@@ -12,7 +12,7 @@ import mindspore as ms
 import numpy as np
 import torch
 from mindspore import nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from vllm.logger import init_logger
 
 from model_backends.native.layers import ShardSpec, collect_shards, use_compute_layouts
@@ -20,6 +20,8 @@ from model_backends.native.layers import ShardSpec, collect_shards, use_compute_
 logger = init_logger("vllm.vllm_mindspore.weights")
 
 _TORCH_DTYPE = {ms.float32: torch.float32, ms.float16: torch.float16, ms.bfloat16: torch.bfloat16}
+# Checkpoint dtypes read (cast to the compute dtype); anything else is refused, not cast.
+_CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class WeightLoadError(ValueError):
@@ -27,10 +29,22 @@ class WeightLoadError(ValueError):
 
 
 def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's files: the shards an index names (each must exist), else every
+    *.safetensors file of the folder."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise WeightLoadError(
+                f"Cannot read the checkpoint index {index!r} ({type(error).__name__}: {error}): "
+                "it must be JSON with a 'weight_map' of tensor name -> shard file.") from error
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
+        if missing:
+            raise WeightLoadError(
+                f"Shard(s) {missing} named by {index!r} are missing from {model_dir!r}: the "
+                "checkpoint is incomplete (an interrupted download?).")
         return [os.path.join(model_dir, s) for s in shards]
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
@@ -38,6 +52,13 @@ def safetensors_files(model_dir: str) -> list[str]:
             f"No *.safetensors weights in {model_dir!r}. vllm-mindspore reads HF safetensors "
             "checkpoints (model.safetensors or model-0000x-of-0000y.safetensors + index).")
     return [os.path.join(model_dir, f) for f in files]
+
+
+def _unreadable(path: str, error: Exception, tensor: str | None = None) -> WeightLoadError:
+    what = f"tensor {tensor!r} of " if tensor else ""
+    return WeightLoadError(
+        f"Cannot read {what}safetensors file {path!r} ({type(error).__name__}: {error}): the "
+        "file is corrupt or truncated (an interrupted download or copy?). Fetch it again.")
 
 
 def _read(handle, name: str, shard: ShardSpec | None, model_dir: str) -> torch.Tensor:
@@ -70,7 +91,11 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as handle:
+        try:
+            handle = safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as error:
+            raise _unreadable(path, error) from error
+        with handle:
             for ckpt_name in handle.keys():
                 name = map_name(ckpt_name)
                 if name is None:
@@ -79,8 +104,11 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
                 if param is None:
                     unexpected.append(ckpt_name)
                     continue
-                _assign(param, _read(handle, ckpt_name, shards.get(name), model_dir), ckpt_name,
-                        shards.get(name), model_dir)
+                try:
+                    tensor = _read(handle, ckpt_name, shards.get(name), model_dir)
+                except (SafetensorError, OSError) as error:
+                    raise _unreadable(path, error, ckpt_name) from error
+                _assign(param, tensor, ckpt_name, shards.get(name), model_dir)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if unexpected or missing:
@@ -118,6 +146,11 @@ def _assign(param, tensor: torch.Tensor, ckpt_name: str, shard: ShardSpec | None
             f"Checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)} but the model built "
             f"from config.json expects {tuple(expected)}: config.json and the weights in "
             f"{model_dir!r} do not belong together.")
+    if tensor.dtype not in _CHECKPOINT_DTYPES:
+        raise WeightLoadError(
+            f"Checkpoint tensor {ckpt_name!r} in {model_dir!r} has dtype "
+            f"{str(tensor.dtype).removeprefix('torch.')}; vllm-mindspore reads float32, float16 "
+            "and bfloat16 checkpoints (quantized or integer weights are not supported).")
     tensor = tensor.to(_TORCH_DTYPE.get(param.dtype, torch.float32))
     if shard is not None and shard.size != param.shape[shard.dim]:
         padded = torch.zeros(tuple(param.shape), dtype=tensor.dtype)
