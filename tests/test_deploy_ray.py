@@ -1,0 +1,253 @@
+"""The quickstart and the TP-over-Ray rehearsal of docs/multi-node.md, run from the docs' own blocks,
+plus the launch script's checks.
+
+Layout: a scratch folder like the top of a checkout (scripts/, yaml_configs/ linked) with
+`demo_model/` a random model of the demo model's shape (scripts/make_tiny_model.py with the demo's
+YAML; the real demo model trains for ~90 s). The quickstart's `serve` (one rank, Native backend)
+answers the quickstart's curl requests and gives the reference tokens. The rehearsal then runs as
+written: env file, `scripts/ray_cluster.py head` on 127.0.0.1 with 2 NPU resources, `status`,
+`eval "$(... env)"` + `vllm-mindspore serve --tensor-parallel-size 2 --distributed-executor-backend
+ray` with the MindFormers backend, curl, `stop`; its tokens must equal the reference.
+
+Isolation, as tests/test_ray.py: loopback only, free ports for every Ray port, a token of this
+cluster's own, the script's --state-dir in the test's folder, and Ray's processes (one session,
+started by the script) always killed at teardown. The script's checks run against the same cluster:
+a layout that does not fit, a changed environment, a second node with this hostname, pyACL missing on
+a node forced to Ascend, and `stop` last (no process left, another Ray-named process untouched).
+"""
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+from conftest import PROMPTS, ROOT, free_port, greedy_tokens
+from test_docs_blocks import (BlockServer, block_env, doc_block, make_workdir, replace_checked,
+                              run_block)
+
+SCRIPT = "scripts/ray_cluster.py"
+# Bounds for a shared 2-core machine, added to the docs' commands: a small KV cache instead of
+# the default share of host memory, and fewer graph sizes to compile (token budget 64).
+SERVE_EXTRA = ("--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "8",
+               "--max-num-batched-tokens", "64")
+MAX_TOKENS = 8
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def raylets() -> set[int]:
+    found = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if "raylet" in " ".join(proc.cmdline()):
+                found.add(proc.pid)
+    return found
+
+
+def kill_session(sid: int, timeout: float = 30) -> list[int]:
+    deadline = time.time() + timeout
+    while (procs := session_processes(sid)) and time.time() < deadline:
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=2)
+    return [p.pid for p in procs]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """The scratch checkout, the script's state dir and the environment the blocks run in."""
+    work = make_workdir(str(tmp_path_factory.mktemp("docs_ray")))
+    run_block(f"{sys.executable} scripts/make_tiny_model.py yaml_configs/small/predict_qwen2_demo.yaml "
+              "demo_model --arch Qwen2ForCausalLM", work, timeout=300)
+    env = block_env({
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",  # this cluster's own token, not ~/.ray/auth_token
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "AUTOSCALER_METRIC_PORT": str(free_port()),  # fixed ports by default
+        "DASHBOARD_METRIC_PORT": str(free_port()),
+    })
+    return {"work": work, "state": os.path.join(work, "ray-state"), "env": env}
+
+
+def script_block(block: str, rehearsal) -> str:
+    """A docs block with the script's record kept in the test's folder."""
+    return replace_checked(block, SCRIPT, f"{SCRIPT} --state-dir {rehearsal['state']}")
+
+
+def head_block(rehearsal, temp_dir: str, port: int) -> str:
+    ray_ports = (f"--ray-client-server-port={free_port()} --dashboard-port={free_port()} "
+                 f"--dashboard-agent-listen-port={free_port()}")
+    return (script_block(doc_block("ray-head"), rehearsal)
+            + f" --port {port} --temp-dir {temp_dir} -- --num-cpus=2 --include-dashboard=false "
+            + ray_ports)
+
+
+def script(rehearsal, *args: str, expect_rc: int | None = None) -> subprocess.CompletedProcess:
+    return run_block(" ".join([sys.executable, SCRIPT, "--state-dir", rehearsal["state"], *args]),
+                     rehearsal["work"], rehearsal["env"], timeout=120, expect_rc=expect_rc)
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(rehearsal, tmp_path_factory):
+    """The quickstart: serve the demo model, ask it with both curl blocks; greedy tokens."""
+    log = str(tmp_path_factory.mktemp("tp1") / "server.log")
+    server = BlockServer(doc_block("serve"), "demo_model", rehearsal["work"], log,
+                         rehearsal["env"], SERVE_EXTRA)
+    try:
+        server.wait_ready()
+        completion = json.loads(server.curl(doc_block("curl-completions"), rehearsal["work"]))
+        assert completion["model"] == "demo_model" and completion["usage"]["completion_tokens"] > 0
+        chat = json.loads(server.curl(doc_block("curl-chat"), rehearsal["work"]))
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        return greedy_tokens(server, "demo_model", PROMPTS, MAX_TOKENS)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(rehearsal):
+    """ray-env-file + ray-head as written (plus isolation); always torn down."""
+    temp_dir = tempfile.mkdtemp(prefix="vmsdoc", dir="/tmp")  # Ray's sockets: 108-byte limit
+    run_block(doc_block("ray-env-file"), rehearsal["work"], rehearsal["env"])
+    port = free_port()
+    sid = None
+    try:
+        result = run_block(head_block(rehearsal, temp_dir, port), rehearsal["work"],
+                           rehearsal["env"], timeout=240)
+        with open(os.path.join(rehearsal["state"], "cluster.json")) as f:
+            state = json.load(f)
+        sid = state["sid"]
+        assert state["address"] == f"127.0.0.1:{port}"
+        assert "join --env-file" in result.stdout  # tells the other nodes what to run
+        yield {"sid": sid, "port": port, "state": state, "head_block": head_block}
+    finally:
+        script(rehearsal, "stop")
+        leftover = kill_session(sid) if sid else []
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not leftover, f"Ray processes left behind: {leftover}"
+
+
+def test_tp2_over_ray_matches_tp1(rehearsal, tp1_tokens, cluster, tmp_path):
+    status = run_block(script_block(doc_block("ray-status"), rehearsal), rehearsal["work"],
+                       rehearsal["env"], timeout=120)
+    assert "NPU total: 2" in status.stdout and "needs 2 NPU: fits" in status.stdout, status.stdout
+    assert "environment: unchanged since ray start" in status.stdout
+
+    # `env` must carry what the driver needs: RAY_ADDRESS and the loopback switch.
+    exported = script(rehearsal, "env", expect_rc=0).stdout
+    assert f"export RAY_ADDRESS=127.0.0.1:{cluster['port']}" in exported
+    assert "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in exported
+    assert "export vLLM_MODEL_BACKEND=MindFormers" in exported
+
+    server = BlockServer(script_block(doc_block("ray-serve"), rehearsal), "demo_model",
+                         rehearsal["work"], str(tmp_path / "ray_server.log"), rehearsal["env"],
+                         SERVE_EXTRA)
+    try:
+        server.wait_ready(timeout=400)  # two ranks compiling on 2 cores
+        completion = json.loads(server.curl(doc_block("ray-curl"), rehearsal["work"]))
+        assert completion["usage"]["completion_tokens"] > 0
+        assert greedy_tokens(server, "demo_model", PROMPTS, MAX_TOKENS) == tp1_tokens
+        actors = []
+        for proc in session_processes(cluster["sid"]):
+            with contextlib.suppress(psutil.Error):
+                if " ".join(proc.cmdline()).startswith("ray::RayWorkerProc"):
+                    actors.append(proc)
+        assert len(actors) == 2, "both ranks must be actors of the script's Ray cluster"
+    finally:
+        server.stop()
+    log = server.log_tail(100000)
+    assert "Model backend: MindFormers" in log
+    assert "tensor_parallel_size=2 (given explicitly) overrides parallel_config.model_parallel=1" in log
+    for rank in (0, 1):
+        assert f"MindSpore communication up: rank {rank} of 2" in log
+
+
+def test_status_refuses_a_layout_that_does_not_fit(rehearsal, cluster):
+    result = script(rehearsal, "status", "--tensor-parallel-size", "16", expect_rc=2)
+    assert "needs 16 NPU, the cluster has 2" in result.stdout
+    result = script(rehearsal, "status", "--tensor-parallel-size", "1", "--data-parallel-size", "2",
+                    expect_rc=0)
+    assert "needs 2 NPU: fits" in result.stdout
+
+
+def test_changed_environment_is_reported_not_ignored(rehearsal, cluster):
+    env_file = os.path.join(rehearsal["work"], "ray_env_cpu.sh")
+    with open(env_file) as f:
+        original = f.read()
+    try:
+        with open(env_file, "a") as f:
+            f.write("export MS_ALLOC_CONF=enable_vmm:true\n")
+        result = script(rehearsal, "status", expect_rc=3)
+        assert "WARNING: the environment changed since `ray start`" in result.stdout
+        assert "MS_ALLOC_CONF: (unset) at ray start, now 'enable_vmm:true'" in result.stdout
+        assert "--restart" in result.stdout
+        # Starting again with the changed file is refused, not silently a no-op.
+        again = run_block(cluster["head_block"](rehearsal, "/tmp/unused", free_port()),
+                          rehearsal["work"], rehearsal["env"], timeout=120, expect_rc=2)
+        assert "already running here" in again.stdout and "Add --restart" in again.stdout
+        assert script(rehearsal, "env").returncode == 3
+    finally:
+        with open(env_file, "w") as f:
+            f.write(original)
+    # A watched variable exported in the shell counts too.
+    shell = run_block(f"export HCCL_OP_EXPANSION_MODE=AIV; {sys.executable} {SCRIPT} --state-dir "
+                      f"{rehearsal['state']} status", rehearsal["work"], rehearsal["env"],
+                      expect_rc=3)
+    assert "HCCL_OP_EXPANSION_MODE: (unset) at ray start, now 'AIV'" in shell.stdout
+    assert script(rehearsal, "status", expect_rc=0)
+
+
+def test_a_second_node_with_this_hostname_is_refused(rehearsal, cluster, tmp_path):
+    other_state = str(tmp_path / "second-node")
+    before = raylets()
+    result = run_block(f"{sys.executable} {SCRIPT} --state-dir {other_state} join --env-file "
+                       f"ray_env_cpu.sh --address 127.0.0.1:{cluster['port']}", rehearsal["work"],
+                       rehearsal["env"], timeout=120, expect_rc=2)
+    assert "already in the cluster" in result.stdout and "hostname" in result.stdout
+    assert not os.path.exists(os.path.join(other_state, "cluster.json"))
+    assert not os.path.exists(os.path.join(other_state, "ray_start.log"))  # ray start never ran
+    assert raylets() <= before
+
+
+def test_missing_pyacl_is_refused_on_an_ascend_node(rehearsal, tmp_path):
+    env_file = tmp_path / "ascend_env.sh"
+    env_file.write_text("export VLLM_MS_DEVICE=Ascend\nexport ASCEND_RT_VISIBLE_DEVICES=0,1\n")
+    state = str(tmp_path / "ascend-node")
+    result = run_block(f"{sys.executable} {SCRIPT} --state-dir {state} head --env-file {env_file} "
+                       f"--node-ip-address 127.0.0.1 --port {free_port()}", rehearsal["work"],
+                       rehearsal["env"], timeout=120, expect_rc=2)
+    assert "pyACL is not importable" in result.stdout and "PYTHONPATH" in result.stdout
+    assert not os.path.exists(os.path.join(state, "ray_start.log"))
+
+
+def test_stop_leaves_no_ray_process_and_spares_other_ray_processes(rehearsal, cluster):
+    """Last: stops the module's cluster as the docs do."""
+    decoy = subprocess.Popen(["bash", "-c", "exec -a raylet sleep 300"], start_new_session=True)
+    try:
+        assert session_processes(cluster["sid"])
+        result = run_block(script_block(doc_block("ray-stop"), rehearsal), rehearsal["work"],
+                           rehearsal["env"], timeout=120)
+        assert "none left" in result.stdout
+        assert not session_processes(cluster["sid"])
+        assert decoy.poll() is None, "stop killed a process that is not its own"
+        assert not os.path.exists(os.path.join(rehearsal["state"], "cluster.json"))
+        assert "no Ray cluster" in script(rehearsal, "status", expect_rc=1).stdout
+    finally:
+        os.killpg(decoy.pid, signal.SIGKILL)
+        decoy.wait()
