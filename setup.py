@@ -8,7 +8,7 @@ setup(
     packages=find_packages(include=["vllm_mindspore", "vllm_mindspore.*",
                                     "model_backends", "model_backends.*"]),
     # The C++ CPU kernels are built from source on first use (vllm_mindspore/ops/kernels.py).
-    package_data={"vllm_mindspore.ops": ["csrc/*.cc"]},
+    package_data={"vllm_mindspore.ops": ["csrc/*.cc", "csrc/*.h"]},
     python_requires=">=3.10",
     # The stack is pinned by scripts/install.sh (torch CPU, vLLM from sdist, mindspore + numpy<2);
     # declaring it here would let pip replace those builds.

@@ -13,7 +13,6 @@ from conftest import PROMPTS, HFReference, assert_matches_hf
 MAX_TOKENS = 10
 BLOCK_SIZE = 16
 KV_CACHE_BYTES = 4 << 20
-DENSE_MAX_TOKENS = 8
 SERVE_ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes",
               str(KV_CACHE_BYTES), "--max-num-batched-tokens", "32", "--enable-prefix-caching",
               "--enable-prompt-tokens-details", "--block-size", str(BLOCK_SIZE))
@@ -89,10 +88,7 @@ def models(tiny_model_factory):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_serve_matches_hf_with_chunked_prefill_and_prefix_caching(serve, models, name):
     model = models(name)
-    # On CPU, steps of <= 8 tokens (decode) run every expert densely and the 32-token prefill
-    # chunks take the per-expert loop: both are checked against HF here.
-    server = serve(model, *SERVE_ARGS, env={"VLLM_MS_MOE_DENSE_MAX_TOKENS": str(DENSE_MAX_TOKENS),
-                                            "VLLM_MS_LOG_STEPS": "1"})
+    server = serve(model, *SERVE_ARGS, env={"VLLM_MS_LOG_STEPS": "1"})
     client = server.client()
 
     def complete(prompt):
@@ -116,10 +112,10 @@ def test_serve_matches_hf_with_chunked_prefill_and_prefix_caching(serve, models,
         assert_matches_hf(choice.token_ids, choice.logprobs.token_logprobs, ref_tokens, ref_steps,
                           f"{name} {prompt[:20]!r}")
 
-    log = server.log_tail(100000)
-    assert f"steps of at most {DENSE_MAX_TOKENS} tokens run every expert" in log
-    step_tokens = {int(n) for n in re.findall(r"step: \d+ reqs, (\d+) tokens", log)}
-    assert min(step_tokens) <= DENSE_MAX_TOKENS < max(step_tokens), step_tokens
+    # Decodes and full 32-token prefill chunks both ran (and matched HF above).
+    step_tokens = {int(n) for n in re.findall(r"step: \d+ reqs, (\d+) tokens",
+                                              server.log_tail(100000))}
+    assert min(step_tokens) <= 8 and max(step_tokens) == 32, step_tokens
 
     if name.startswith("deepseek"):
         # vLLM's block accounting saw the latent size: the fixed KV budget buys exactly
@@ -158,12 +154,13 @@ def test_deepseek_kv_cache_is_the_latent(models):
 
 
 def test_stacked_expert_weights_compute_each_expert(models):
-    """The Ascend grouped-matmul layout built from the loaded experts: for every expert e,
-    silu(x @ w13[e][:, :I]) * (x @ w13[e][:, I:]) @ w2[e] equals that expert's MLP as the CPU
-    model computes it. (The fused kernels themselves need an NPU; this checks the weights they
-    are given.)"""
+    """Both devices' stacked experts against each checkpoint expert's MLP in numpy: the Ascend
+    grouped-matmul layout (silu(x @ w13[e][:, :I]) * (x @ w13[e][:, I:]) @ w2[e]; the fused
+    kernels themselves need an NPU, this checks the weights they are given), and the CPU kernel
+    run with every token routed to expert e."""
     import mindspore as ms
     import numpy as np
+    from safetensors.numpy import load_file
     from transformers import AutoConfig
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -185,16 +182,28 @@ def test_stacked_expert_weights_compute_each_expert(models):
             ascend = build()
         cpu = build()
     moe = ascend.model.layers[1].mlp
-    assert moe.experts is None  # stacked, the per-expert cells dropped
+    assert moe.experts is None and cpu.model.layers[1].mlp.experts is None  # stacked
     w13, w2 = moe.dispatch.w13.asnumpy(), moe.dispatch.w2.asnumpy()
     size = config.moe_intermediate_size
     assert w13.shape == (config.n_routed_experts, config.hidden_size, 2 * size)
     assert w2.shape == (config.n_routed_experts, size, config.hidden_size)
-    x = np.random.default_rng(0).standard_normal((5, config.hidden_size)).astype(np.float32)
-    for e, expert in enumerate(cpu.model.layers[1].mlp.experts):
+    tensors = {}
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    tokens, top_k = 5, config.num_experts_per_tok
+    x = np.random.default_rng(0).standard_normal((tokens, config.hidden_size)).astype(np.float32)
+    weights = np.full((tokens, top_k), 1.0 / top_k, np.float32)
+    for e in range(config.n_routed_experts):
+        prefix = f"model.layers.1.mlp.experts.{e}."
+        gate, up = (x @ tensors[prefix + p + "_proj.weight"].T for p in ("gate", "up"))
+        expected = (gate / (1 + np.exp(-gate)) * up) @ tensors[prefix + "down_proj.weight"].T
         gate, up = x @ w13[e][:, :size], x @ w13[e][:, size:]
         grouped = (gate / (1 + np.exp(-gate)) * up) @ w2[e]
-        np.testing.assert_allclose(grouped, expert(ms.Tensor(x)).asnumpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(grouped, expected, rtol=1e-4, atol=1e-5)
+        ids = ms.Tensor(np.full((tokens, top_k), e, np.int32))
+        kernel = cpu.model.layers[1].mlp.dispatch(ms.Tensor(x), ms.Tensor(weights), ids)
+        np.testing.assert_allclose(kernel.asnumpy(), expected, rtol=1e-4, atol=1e-5)
     # MLA: kv_b_proj was split into the absorbed W_UK / W_UV and dropped.
     attn = ascend.model.layers[0].self_attn
     assert attn.kv_b_proj is None

@@ -43,14 +43,3 @@ def test_unknown_backend_names_the_valid_ones(monkeypatch):
     monkeypatch.setenv("vLLM_MODEL_BACKEND", "Torch")
     with pytest.raises(ValueError, match="valid values: Native, MindFormers"):
         select_backend()
-
-
-@pytest.mark.parametrize("value", ["abc", "-1", "2.5"])
-def test_bad_moe_dense_threshold_names_the_variable(monkeypatch, value):
-    from vllm_mindspore import envs
-
-    monkeypatch.setenv("VLLM_MS_MOE_DENSE_MAX_TOKENS", value)
-    with pytest.raises(ValueError, match="VLLM_MS_MOE_DENSE_MAX_TOKENS=.*whole number"):
-        envs.VLLM_MS_MOE_DENSE_MAX_TOKENS
-    monkeypatch.setenv("VLLM_MS_MOE_DENSE_MAX_TOKENS", "12")
-    assert envs.VLLM_MS_MOE_DENSE_MAX_TOKENS == 12

@@ -58,19 +58,6 @@ def _positive_number(name: str, default: str | None) -> Callable[[], float | Non
     return read
 
 
-def _optional_count(name: str) -> Callable[[], int | None]:
-    def read() -> int | None:
-        value = os.environ.get(name, "").strip()
-        if not value:
-            return None
-        if not value.isdigit():
-            raise ValueError(f"{name}={value!r} is not a whole number >= 0; unset it to use the "
-                             "default.")
-        return int(value)
-
-    return read
-
-
 ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "VLLM_MS_DISABLE_PLATFORM": (
         _flag("VLLM_MS_DISABLE_PLATFORM"),
@@ -99,12 +86,6 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _positive_number("VLLM_MS_COMM_TIMEOUT", "120"),
         "Seconds a rank waits for its peers when MindSpore's collective communication starts "
         "(tensor/expert parallel) before failing with an error.",
-    ),
-    "VLLM_MS_MOE_DENSE_MAX_TOKENS": (
-        _optional_count("VLLM_MS_MOE_DENSE_MAX_TOKENS"),
-        "CPU MoE: steps of at most this many tokens run every expert on every token (static "
-        "shapes, fewer ops); larger steps run each expert on its own tokens only. Unset: chosen "
-        "per layer from the expert size (see vllm_mindspore/ops/moe.py); 0: never.",
     ),
     "VLLM_MS_LOG_STEPS": (
         _flag("VLLM_MS_LOG_STEPS"),

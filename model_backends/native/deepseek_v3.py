@@ -82,12 +82,11 @@ class DeepseekV3Attention(nn.Cell):
         self.o_proj = RowParallelLinear(total_heads * config.v_head_dim, hidden, bias, dtype)
         rope_parameters, scale = rope_and_softmax_scale(config)
         # rope_interleave (HF default, the official checkpoints' layout): GPT-J style pairs
-        # (x0, x1), (x2, x3)... Rope channels only meet in q_pe . k_pe, so both are de-interleaved
-        # (evens, then odds) and rotated neox style: same scores, and the fused kernel applies.
-        self.rope_interleave = bool(getattr(config, "rope_interleave", True))
+        # (x0, x1), (x2, x3)...
         self.rotary_emb = RotaryEmbedding(
             self.qk_rope_head_dim, self.qk_rope_head_dim, config.max_position_embeddings,
-            rope_parameters, is_neox_style=True, dtype=dtype)
+            rope_parameters, is_neox_style=not getattr(config, "rope_interleave", True),
+            dtype=dtype)
         self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim,
                                  self.qk_rope_head_dim, config.v_head_dim, scale, block_size)
         self.kv_cache = None
@@ -109,10 +108,7 @@ class DeepseekV3Attention(nn.Cell):
         latent = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank])
         k_pe = kv_a[:, self.kv_lora_rank:].reshape(num_tokens, 1, self.qk_rope_head_dim)
         # q_pe and k_pe rotated in one call, stacked along heads.
-        pe = mint.cat((q_pe, k_pe), dim=1)
-        if self.rope_interleave:
-            pe = mint.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
-        pe = self.rotary_emb(positions, pe)
+        pe = self.rotary_emb(positions, mint.cat((q_pe, k_pe), dim=1))
         q_pe = pe[:, :self.num_heads]
         latent = mint.cat((latent, pe[:, self.num_heads].reshape(num_tokens, -1)), dim=-1)
         out = self.attn(q_nope, q_pe, latent, self.kv_cache, positions, *attn_metadata,

@@ -12,7 +12,7 @@ import mindspore as ms
 from mindspore import Parameter, mint, nn
 
 from model_backends.native.layers import (ColumnParallelLinear, Linear, ParallelLMHead,
-                                          RowParallelLinear, ShardSpec, SiluAndMul,
+                                          RowParallelLinear, ShardSpec,
                                           VocabParallelEmbedding, even_split, fuse_linears,
                                           tp_rank_and_size)
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
@@ -106,14 +106,15 @@ class LlamaMLP(nn.Cell):
             self.gate_proj = Linear(hidden_size, intermediate_size, False, dtype)
             self.up_proj = Linear(hidden_size, intermediate_size, False, dtype)
             self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
-        self.act = SiluAndMul()
 
     def process_weights_after_loading(self, prefix: str) -> None:
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj], f"{prefix}.gate_up_proj")
+        """gate|up as one projection that also applies silu(gate) * up."""
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj], f"{prefix}.gate_up_proj",
+                                         silu_and_mul=True)
         self.gate_proj = self.up_proj = None
 
     def construct(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -132,10 +133,18 @@ class LlamaDecoderLayer(nn.Cell):
     def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
         return LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
 
-    def construct(self, positions, hidden, attn_metadata, prefill_only):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn_metadata,
-                                         prefill_only)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def construct(self, positions, hidden, residual, attn_metadata, prefill_only):
+        """hidden: the previous layer's output, residual: the stream before it (None for the
+        first layer) -> (this layer's output, the stream before it); each norm also does the
+        residual add."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata, prefill_only)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Cell):
@@ -150,9 +159,10 @@ class LlamaModel(nn.Cell):
         """-> the last layer's hidden states [T, hidden], before the final norm (applied by
         the logits head to the rows that are sampled)."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, attn_metadata, prefill_only)
-        return hidden
+            hidden, residual = layer(positions, hidden, residual, attn_metadata, prefill_only)
+        return hidden + residual
 
 
 class LogitsHead(nn.Cell):

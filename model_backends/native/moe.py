@@ -24,26 +24,23 @@ class RoutedExperts(nn.Cell):
             LlamaMLP(hidden_size, intermediate_size, dtype, reduce_results=False,
                      tp_split=not self.expert_parallel)
             for _ in range(shard.count)])
-        local_intermediate = self.experts[0].gate_proj.weight.shape[0]  # I, or I / tp
-        self.dispatch = MoEDispatch(shard.count, 3 * hidden_size * local_intermediate,
-                                    shard.start, *ep_rank_and_size())
+        self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
 
     def process_weights_after_loading(self, prefix: str) -> None:
-        """Where the dispatch runs grouped kernels (Ascend) the experts become its two stacked
-        weights; the per-expert Cells are dropped so the weights are not held twice."""
-        if self.dispatch.grouped:
-            self.dispatch.stack_experts(self.experts, f"{prefix}.dispatch")
-            self.experts = None
+        """The experts become the dispatch's two stacked weights; the per-expert Cells are
+        dropped so the weights are not held twice."""
+        self.dispatch.stack_experts(self.experts, f"{prefix}.dispatch")
+        self.experts = None
 
     def routed(self, hidden, weights, expert_ids):
         """hidden [T, D], weights / expert_ids [T, K] -> routed output [T, D], fully reduced."""
-        out = self.dispatch(hidden, weights, expert_ids, self.experts)
+        out = self.dispatch(hidden, weights, expert_ids)
         return out if self.expert_parallel else self.reduce(out)
 
     def routed_plus_shared(self, hidden, weights, expert_ids, shared_partial):
         """As `routed`, plus the TP-partial output of shared experts, with one reduction."""
-        out = self.dispatch(hidden, weights, expert_ids, self.experts)
+        out = self.dispatch(hidden, weights, expert_ids)
         if self.expert_parallel:
             return out + self.reduce(shared_partial)
         return self.reduce(out + shared_partial)

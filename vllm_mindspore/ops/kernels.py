@@ -1,9 +1,9 @@
 """The plugin's C++ CPU kernels, built on first use and loaded as MindSpore AOT custom ops.
 
 MindSpore registers no fused LLM kernel on CPU, and a chain of its small ops costs a few
-microseconds of dispatch each plus a copy per intermediate; the hot spots (paged attention) are
-therefore one C++ operator each (`csrc/`), called from the graph through
-`ops.Custom(func_type="aot")`. The library is compiled once per source, compiler and CPU
+microseconds of dispatch each plus a copy per intermediate; the hot spots (paged attention, the
+dense projections, the MoE experts, norms, rotary embeddings) are therefore one C++ operator
+each (`csrc/`), called from the graph through `ops.Custom(func_type="aot")`. The library is compiled once per source, compiler and CPU
 (`-O3 -march=native -fopenmp`) into `~/.cache/vllm-mindspore/kernels/` and reused; several
 processes building at once each write their own file and rename it into place.
 """
@@ -19,7 +19,8 @@ from vllm.logger import init_logger
 
 logger = init_logger("vllm.vllm_mindspore.kernels")
 
-_SOURCES = ("paged_attention.cc",)
+_SOURCES = ("paged_attention.cc", "linear.cc", "moe.cc", "norm_rope.cc")
+_HEADERS = ("common.h", "gemm.h")
 _FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
@@ -31,7 +32,7 @@ def _cache_dir() -> str:
 
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         with open(os.path.join(_CSRC, name), "rb") as f:
             digest.update(f.read())
     digest.update(" ".join(_FLAGS).encode())

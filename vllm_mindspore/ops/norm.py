@@ -1,23 +1,34 @@
-"""RMSNorm: `x * rsqrt(mean(x^2) + eps) * weight`, computed in float32."""
+"""RMSNorm: `x * rsqrt(mean(x^2) + eps) * weight`, computed in float32, optionally on the sum of
+x and a residual (the decoder's pre-norm residual stream, vLLM's fused_add_rms_norm).
+
+CPU: one C++ operator (`csrc/norm_rope.cc`); Ascend: MindSpore's RmsNorm kernel (the backend
+fuses a preceding Add into AddRmsNorm itself).
+"""
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, mint, nn, ops
 
+from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter, to_host
 from vllm_mindspore.platform import ASCEND, kernel_device
 
 
 class RMSNorm(nn.Cell):
-    """x: [..., hidden] -> [..., hidden]; `weight` is named like the checkpoint's tensor. A
-    `stacked` norm has a weight [heads, head_dim] that normalises each head of x [T, heads,
-    head_dim] with its own row."""
+    """x: [..., hidden] -> [..., hidden]; with `residual`: (norm(x + residual), x + residual).
+    `weight` is named like the checkpoint's tensor. A `stacked` norm has a weight [heads,
+    head_dim] that normalises each head of x [T, heads, head_dim] with its own row."""
 
     def __init__(self, hidden_size: int, eps: float, dtype=ms.float32):
         super().__init__()
         self.weight = Parameter(mint.ones(hidden_size, dtype=dtype), name="weight", requires_grad=False)
         self.eps = eps
         self.fused = kernel_device() == ASCEND
+        if not self.fused:
+            self.eps_tensor = ms.Tensor([eps], ms.float32)
+            self.norm_kernel = kernels.custom_op("RmsNorm", lambda x, *_: x, lambda x, *_: x)
+            self.add_norm_kernel = kernels.custom_op(
+                "AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
 
     @classmethod
     def stacked(cls, norms: list[tuple["RMSNorm", int]], name: str) -> "RMSNorm":
@@ -29,10 +40,12 @@ class RMSNorm(nn.Cell):
         stacked.weight = parameter(np.concatenate(rows), first.weight.dtype, f"{name}.weight")
         return stacked
 
-    def construct(self, x):
-        if self.fused:
+    def construct(self, x, residual=None):
+        if not self.fused:
+            if residual is None:
+                return self.norm_kernel(x, self.weight, self.eps_tensor)
+            return self.add_norm_kernel(x, residual, self.weight, self.eps_tensor)
+        if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)[0]
-        x32 = x.astype(ms.float32)
-        variance = mint.mean(x32 * x32, dim=-1, keepdim=True)
-        normed = x32 * ops.rsqrt(variance + self.eps)
-        return (normed * self.weight.astype(ms.float32)).astype(x.dtype)
+        x = x + residual
+        return ops.rms_norm(x, self.weight, self.eps)[0], x

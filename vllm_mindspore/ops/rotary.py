@@ -9,6 +9,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
+from vllm_mindspore.ops import kernels
 from vllm_mindspore.platform import ASCEND, kernel_device
 
 
@@ -33,22 +34,29 @@ class RotaryEmbedding(nn.Cell):
 
     positions [T], x [T, heads, head_size] -> [T, heads, head_size]. Queries and keys are rotated
     in one call (stacked along heads). neox style rotates the two halves; otherwise (GPT-J /
-    DeepSeek "interleaved") even/odd pairs.
+    DeepSeek "interleaved") even/odd pairs. CPU: one C++ operator (`csrc/norm_rope.cc`);
+    Ascend: RotaryPositionEmbedding (mode 0 halves, 1 pairs) for a full-width rotation, else
+    the same math from MindSpore ops.
     """
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int,
                  rope_parameters: dict | None, is_neox_style: bool = True, dtype=ms.float32):
         super().__init__()
         cos, sin = rope_cos_sin(head_size, rotary_dim, max_position, rope_parameters, is_neox_style)
-        self.cos = Tensor(cos, dtype)
-        self.sin = Tensor(sin, dtype)
         self.rotary_dim = rotary_dim
         self.head_size = head_size
         self.is_neox_style = is_neox_style
-        self.fused = kernel_device() == ASCEND and is_neox_style and rotary_dim == head_size
+        self.on_ascend = kernel_device() == ASCEND
+        self.fused = self.on_ascend and rotary_dim == head_size
+        if self.on_ascend:
+            self.cos = Tensor(cos, dtype)
+            self.sin = Tensor(sin, dtype)
+        else:
+            self.cos_sin = Tensor(np.concatenate((cos, sin), -1), ms.float32)
+            self.kernel = kernels.custom_op("RopeNeox" if is_neox_style else "RopeInterleaved",
+                                            lambda x, *_: x, lambda x, *_: x)
 
     def _rotate(self, x, cos, sin):
-        # A full-width slice is not free on CPU (StridedSlice copies, ~1 ms for [64, 10, 64]).
         rot = x if self.rotary_dim == self.head_size else x[..., : self.rotary_dim]
         if self.is_neox_style:
             x1, x2 = mint.chunk(rot, 2, dim=-1)
@@ -56,7 +64,6 @@ class RotaryEmbedding(nn.Cell):
         else:
             x1 = rot[..., 0::2]
             x2 = rot[..., 1::2]
-            # mint.stack (StackExt) has no CPU kernel; ops.stack has.
             rotated = ops.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
             rotated = rotated.reshape(rot.shape)
         if self.rotary_dim == self.head_size:
@@ -64,13 +71,21 @@ class RotaryEmbedding(nn.Cell):
         return mint.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
 
     def construct(self, positions, x):
+        if not self.on_ascend:
+            return self.kernel(x, positions, self.cos_sin)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)  # [T, 1, rotary_dim // 2]
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
-        if self.fused:
-            num_tokens, heads, size = x.shape
-            # BSND with one sequence of T tokens; cos/sin 1S1D, both halves (rotate_half mode).
-            cos = mint.cat((cos, cos), dim=-1).astype(x.dtype).reshape(1, num_tokens, 1, size)
-            sin = mint.cat((sin, sin), dim=-1).astype(x.dtype).reshape(1, num_tokens, 1, size)
-            out = ops.rotary_position_embedding(x.reshape(1, num_tokens, heads, size), cos, sin, 0)
-            return out.reshape(num_tokens, heads, size)
-        return self._rotate(x, cos, sin)
+        if not self.fused:
+            return self._rotate(x, cos, sin)
+        num_tokens, heads, size = x.shape
+        if self.is_neox_style:  # each half of the channels takes the table once
+            cos, sin = mint.cat((cos, cos), dim=-1), mint.cat((sin, sin), dim=-1)
+        else:  # each pair of channels takes one entry
+            cos = ops.stack((cos, cos), -1).reshape(num_tokens, 1, size)
+            sin = ops.stack((sin, sin), -1).reshape(num_tokens, 1, size)
+        # BSND with one sequence of T tokens; cos/sin 1S1D.
+        cos = cos.astype(x.dtype).reshape(1, num_tokens, 1, size)
+        sin = sin.astype(x.dtype).reshape(1, num_tokens, 1, size)
+        out = ops.rotary_position_embedding(x.reshape(1, num_tokens, heads, size), cos, sin,
+                                            0 if self.is_neox_style else 1)
+        return out.reshape(num_tokens, heads, size)

@@ -16,51 +16,19 @@
 // seq_lens [B] (context + this step's tokens), q_lens [B] (this step's tokens; 0: unused row).
 // Tokens are packed request after request in the order of the rows.
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
-int g_num_threads = 1;
-
-using half = uint16_t;
-
-inline float to_float(float x) { return x; }
-inline float to_float(half x) { return _cvtsh_ss(x); }
-inline void from_float(float x, float *out) { *out = x; }
-inline void from_float(float x, half *out) { *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
-
-template <typename T>
-inline void load(const T *src, float *dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-// exp(x) for x <= 0 with Cephes' single-precision polynomial (about 1 ulp), written so the
-// compiler vectorises it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float e = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &e, sizeof(bits));
-  bits += static_cast<int32_t>(k) << 23;
-  std::memcpy(&e, &bits, sizeof(bits));
-  return e;
-}
+using namespace vllm_ms;
 
 struct Shape {
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, v_head_dim, block_size;
@@ -98,16 +66,7 @@ void write_cache(const Shape &s, const T *key, const T *value, T *key_cache, T *
 // Register-blocked inner loops: R rows (query heads) against one block, 16 keys or value
 // channels at a time held in vector registers (GCC vector extensions: zmm with AVX-512, ymm
 // pairs with AVX2), so each key/value row is loaded once for all R rows.
-typedef float lanes __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
 constexpr int kMaxRows = 8;
-
-inline lanes load_lanes(const float *p) {
-  lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
 // s[r][k] = q[r] . key k of the block, for the block's bs keys (stored transposed: kt[d][k]).
 template <int R>
@@ -240,7 +199,7 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
         float block_max = pr[0];
         for (int64_t k = 1; k < visible; ++k) block_max = std::max(block_max, pr[k]);
         if (block_max > m[r]) {
-          const float correction = exp_nonpositive(m[r] - block_max);  // exp(-inf) -> ~0
+          const float correction = fast_exp(m[r] - block_max);  // exp(-inf) -> ~0
           l[r] *= correction;
           for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= correction;
           m[r] = block_max;
@@ -248,7 +207,7 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
         const float mr = m[r];
         float sum = 0.0f;
         for (int64_t k = 0; k < bs; ++k) {
-          pr[k] = k < visible ? exp_nonpositive(pr[k] - mr) : 0.0f;
+          pr[k] = k < visible ? fast_exp(pr[k] - mr) : 0.0f;
           sum += pr[k];
         }
         l[r] += sum;
@@ -297,7 +256,7 @@ int run(const Shape &s, const T *query, const T *key, const T *value, T *key_cac
   std::memset(static_cast<void *>(out + token * s.num_heads * s.v_head_dim), 0,
               (s.num_tokens - token) * s.num_heads * s.v_head_dim * sizeof(T));
   const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(g_num_threads) if (num_items > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(vllm_ms::num_threads) if (num_items > 1)
   for (int64_t n = 0; n < num_items; ++n) {
     const Item &item = items[n];
     attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks, out);
@@ -311,7 +270,7 @@ bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
 
 extern "C" {
 
-void SetNumThreads(int num_threads) { g_num_threads = std::max(1, num_threads); }
+void SetNumThreads(int threads) { vllm_ms::num_threads = std::max(1, threads); }
 
 // qk [T, H + KVH, D] (each token's H query heads, then its KVH key heads), v [T, KVH, Dv],
 // key_cache [NB, KVH, D, bs], value_cache [NB, KVH, bs, Dv], slot_mapping [T], block_tables

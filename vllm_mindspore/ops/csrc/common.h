@@ -1,0 +1,69 @@
+// Shared by the plugin's CPU kernels: thread count, float16 conversions, 16-lane float vectors
+// (GCC vector extensions: one zmm register with AVX-512, a ymm pair with AVX2) and exp.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace vllm_ms {
+
+// Threads each kernel call may use: the worker's share of the host's cores (SetNumThreads).
+inline int num_threads = 1;
+
+using half = uint16_t;
+
+inline float to_float(float x) { return x; }
+inline float to_float(half x) { return _cvtsh_ss(x); }
+inline void from_float(float x, float *out) { *out = x; }
+inline void from_float(float x, half *out) { *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+template <typename T>
+inline void load(const T *src, float *dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+typedef float lanes __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline lanes load_lanes(const float *p) {
+  lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline lanes load_lanes(const half *p) {
+  lanes v;
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+  std::memcpy(&v, &x, sizeof(v));
+#else
+  for (int i = 0; i < kLanes; ++i) v[i] = to_float(p[i]);
+#endif
+  return v;
+}
+inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp(x) with Cephes' single-precision polynomial (about 1 ulp) on x clamped to [-87, 88],
+// written so the compiler vectorises it.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float e = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &e, sizeof(bits));
+  bits += static_cast<int32_t>(k) << 23;
+  std::memcpy(&e, &bits, sizeof(bits));
+  return e;
+}
+
+}  // namespace vllm_ms

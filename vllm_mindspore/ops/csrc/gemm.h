@@ -1,0 +1,106 @@
+// The packed-panel matmul shared by the linear and MoE kernels.
+//
+// W is packed once after loading into panels of 32 output columns, each panel K rows of 32
+// contiguous values ([N / 32, K, 32], the last panel zero-padded), so the matmul streams every
+// weight exactly once, in order, whatever the number of rows: a decode step of a few tokens is
+// bound by memory bandwidth, a prefill step by the 6 x 32 register-blocked inner loop.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+
+namespace vllm_ms {
+
+constexpr int kPanel = 32;   // output columns per panel: two vectors
+constexpr int kRows = 6;     // rows per register block: 12 accumulators
+constexpr int64_t kDepth = 512;  // K per pass, so a panel slice stays in cache across row blocks
+
+// c[0:R, 0:32] (+)= a[0:R, 0:depth] . panel[0:depth, 0:32]
+template <int R, typename W>
+void block(const float *__restrict a, int64_t lda, const W *__restrict panel, int64_t depth,
+           float *__restrict c, int64_t ldc, bool accumulate) {
+  lanes lo[R], hi[R];
+  for (int i = 0; i < R; ++i) {
+    lo[i] = accumulate ? load_lanes(c + i * ldc) : lanes{};
+    hi[i] = accumulate ? load_lanes(c + i * ldc + 16) : lanes{};
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const lanes b0 = load_lanes(panel + k * kPanel), b1 = load_lanes(panel + k * kPanel + 16);
+    for (int i = 0; i < R; ++i) {
+      const float ak = a[i * lda + k];
+      lo[i] += ak * b0;
+      hi[i] += ak * b1;
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    store_lanes(c + i * ldc, lo[i]);
+    store_lanes(c + i * ldc + 16, hi[i]);
+  }
+}
+
+template <typename W, int R = kRows>
+void block_n(int rows, const float *a, int64_t lda, const W *panel, int64_t depth, float *c,
+             int64_t ldc, bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return block_n<W, R - 1>(rows, a, lda, panel, depth, c, ldc, accumulate);
+  }
+  block<R>(a, lda, panel, depth, c, ldc, accumulate);
+}
+
+// y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias)
+// `parallel`: split the panels over the kernel threads (off when the caller already runs one
+// matmul per thread).
+template <typename W>
+void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias, int64_t N,
+            float *y, int64_t ldy, bool parallel = true) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel && panels > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const W *panel = packed + p * K * kPanel;
+    const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+    float tile[kRows * kPanel];  // the last panel's rows, when it is narrower than 32
+    for (int64_t i = 0; i < M; i += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - i));
+      float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
+      const int64_t ldc = columns == kPanel ? ldy : kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += kDepth)
+        block_n(rows, x + i * K + k0, K, panel + k0 * kPanel, std::min(kDepth, K - k0), c, ldc,
+                k0 > 0);
+      for (int r = 0; r < rows; ++r) {
+        float *out = y + (i + r) * ldy + p * kPanel;
+        if (c == tile) std::memcpy(out, tile + r * kPanel, columns * sizeof(float));
+        if (bias != nullptr)
+          for (int64_t j = 0; j < columns; ++j) out[j] += to_float(bias[p * kPanel + j]);
+      }
+    }
+  }
+}
+
+template <typename T>
+const float *as_float(const T *x, int64_t n, std::vector<float> &buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    buffer.resize(n);
+    for (int64_t i = 0; i < n; ++i) buffer[i] = to_float(x[i]);
+    return buffer.data();
+  }
+}
+
+// silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I]
+template <typename T>
+void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float *gate = y + m * 2 * I, *up = gate + I;
+    for (int64_t j = 0; j < I; ++j)
+      from_float(gate[j] / (1.0f + fast_exp(-gate[j])) * up[j], out + m * I + j);
+  }
+}
+
+}  // namespace vllm_ms

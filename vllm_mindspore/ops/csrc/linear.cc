@@ -1,0 +1,70 @@
+// CPU kernels behind vllm_mindspore.ops.linear, called by MindSpore as `ops.Custom(func_type="aot")`
+// operators: y = x @ W (+ bias), optionally followed by silu(gate) * up for a fused gate|up
+// projection.
+// The weights are packed in panels (gemm.h).
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.h"
+
+namespace {
+
+using namespace vllm_ms;
+
+template <typename T>
+int run(void **params, int64_t **shapes, bool has_bias, bool gated) {
+  const T *x = static_cast<const T *>(params[0]);
+  const T *packed = static_cast<const T *>(params[1]);
+  const T *bias = has_bias ? static_cast<const T *>(params[2]) : nullptr;
+  T *out = static_cast<T *>(params[has_bias ? 3 : 2]);
+  const int64_t M = shapes[0][0], K = shapes[0][1];
+  const int64_t N = shapes[has_bias ? 3 : 2][1] * (gated ? 2 : 1);
+  if (shapes[1][1] != K || shapes[1][0] * kPanel < N) return 1;
+  thread_local std::vector<float> x_buffer, y_buffer;
+  const float *xf = as_float(x, M * K, x_buffer);
+  float *y;
+  if (std::is_same_v<T, float> && !gated) {
+    y = reinterpret_cast<float *>(out);
+  } else {
+    y_buffer.resize(M * N);
+    y = y_buffer.data();
+  }
+  matmul(xf, M, K, packed, bias, N, y, N);
+  if (gated) {
+    silu_and_mul(y, M, N / 2, out);
+  } else if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < M * N; ++i) from_float(y[i], out + i);
+  }
+  return 0;
+}
+
+int dispatch(const char **dtypes, void **params, int64_t **shapes, bool has_bias, bool gated) {
+  if (std::strcmp(dtypes[0], "float16") == 0) return run<half>(params, shapes, has_bias, gated);
+  return run<float>(params, shapes, has_bias, gated);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [M, K], packed [P, K, 32] -> y [M, N]
+int Linear(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
+           void *) {
+  return nparam == 3 ? dispatch(dtypes, params, shapes, false, false) : 1;
+}
+
+// x [M, K], packed [P, K, 32], bias [N] -> y [M, N]
+int LinearBias(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
+               void *) {
+  return nparam == 4 ? dispatch(dtypes, params, shapes, true, false) : 1;
+}
+
+// x [M, K], packed gate|up [P, K, 32] -> silu(x . gate) * (x . up) [M, I]
+int LinearSiluMul(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
+                  void *) {
+  return nparam == 3 ? dispatch(dtypes, params, shapes, false, true) : 1;
+}
+
+}  // extern "C"

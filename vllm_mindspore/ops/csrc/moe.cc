@@ -1,0 +1,91 @@
+// CPU kernel behind vllm_mindspore.ops.moe, called by MindSpore as an `ops.Custom(func_type="aot")`
+// operator: the routed experts of one MoE layer for a whole step.
+//
+// The token copies are grouped by expert on the host side of the kernel (a counting sort), each
+// expert runs its gate|up matmul, silu(gate) * up and down matmul over exactly its tokens (the
+// weights packed in panels, gemm.h), and each copy's weighted output is summed back into its
+// token. MindSpore sees one operator with static shapes, whatever the routing.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.h"
+
+namespace {
+
+using namespace vllm_ms;
+
+template <typename T>
+int run(void **params, int64_t **shapes) {
+  const T *x = static_cast<const T *>(params[0]);
+  const int32_t *ids = static_cast<const int32_t *>(params[1]);
+  const float *weights = static_cast<const float *>(params[2]);
+  const T *w13 = static_cast<const T *>(params[3]);
+  const T *w2 = static_cast<const T *>(params[4]);
+  T *out = static_cast<T *>(params[5]);
+  const int64_t tokens = shapes[0][0], D = shapes[0][1], K = shapes[1][1];
+  const int64_t experts = shapes[3][0], I = shapes[4][2];
+  const int64_t w13_size = shapes[3][1] * D * kPanel, w2_size = shapes[4][1] * I * kPanel;
+  if (shapes[3][2] != D || shapes[3][1] * kPanel < 2 * I || shapes[4][1] * kPanel < D) return 1;
+
+  // Copies (token t, choice k) of this rank's experts, grouped by expert.
+  std::vector<int64_t> start(experts + 1, 0), order(tokens * K);
+  for (int64_t c = 0; c < tokens * K; ++c)
+    if (ids[c] >= 0 && ids[c] < experts) ++start[ids[c] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t c = 0; c < tokens * K; ++c)
+    if (ids[c] >= 0 && ids[c] < experts) order[fill[ids[c]]++] = c;
+
+  std::vector<float> x_buffer;
+  const float *xf = as_float(x, tokens * D, x_buffer);
+  std::vector<float> copies(tokens * K * D, 0.0f);  // each copy's weighted expert output
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    thread_local std::vector<float> rows, gate_up, act, down;
+    rows.resize(n * D);
+    gate_up.resize(n * 2 * I);
+    act.resize(n * I);
+    down.resize(n * D);
+    for (int64_t j = 0; j < n; ++j)
+      std::memcpy(rows.data() + j * D, xf + order[start[e] + j] / K * D, D * sizeof(float));
+    matmul(rows.data(), n, D, w13 + e * w13_size, static_cast<const T *>(nullptr), 2 * I,
+           gate_up.data(), 2 * I, false);
+    silu_and_mul(gate_up.data(), n, I, act.data());
+    matmul(act.data(), n, I, w2 + e * w2_size, static_cast<const T *>(nullptr), D, down.data(),
+           D, false);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t c = order[start[e] + j];
+      const float weight = weights[c];
+      float *copy = copies.data() + c * D;
+      for (int64_t d = 0; d < D; ++d) copy[d] = weight * down[j * D + d];
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += copies[(t * K + k) * D + d];
+      from_float(sum, out + t * D + d);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [T, D], ids [T, K] int32 (this rank's expert index; others are skipped), weights [T, K]
+// float32, w13 [E, P13, D, 32] (gate|up, 2I columns, packed), w2 [E, P2, I, 32] (down, D
+// columns, packed) -> out [T, D] = sum over k of weights[t, k] * expert_ids[t, k](x[t])
+int MoeExperts(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
+               void *) {
+  if (nparam != 6) return 1;
+  if (std::strcmp(dtypes[0], "float16") == 0) return run<half>(params, shapes);
+  return run<float>(params, shapes);
+}
+
+}  // extern "C"

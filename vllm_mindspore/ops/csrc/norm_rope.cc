@@ -1,0 +1,126 @@
+// CPU kernels behind vllm_mindspore.ops.norm and ops.rotary, called by MindSpore as
+// `ops.Custom(func_type="aot")` operators. Each replaces a chain of 6-12 small MindSpore ops
+// (each with its own dispatch and intermediate copy) by one pass over the rows.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using namespace vllm_ms;
+
+// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight[r % weight_rows], in float32; with a
+// residual: x[r] + residual[r] is normalised and also returned (sum).
+template <typename T>
+void rms_norm(const T *x, const T *residual, const T *weight, int64_t rows, int64_t size,
+              int64_t weight_rows, float eps, T *y, T *sum) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 64)
+  for (int64_t r = 0; r < rows; ++r) {
+    thread_local std::vector<float> buffer;
+    buffer.resize(size);
+    float *v = buffer.data();
+    float squares = 0.0f;
+    for (int64_t i = 0; i < size; ++i) {
+      v[i] = to_float(x[r * size + i]) + (residual ? to_float(residual[r * size + i]) : 0.0f);
+      squares += v[i] * v[i];
+    }
+    if (residual) {
+      for (int64_t i = 0; i < size; ++i) from_float(v[i], sum + r * size + i);
+    }
+    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
+    const T *w = weight + (r % weight_rows) * size;
+    for (int64_t i = 0; i < size; ++i) from_float(v[i] * scale * to_float(w[i]), y + r * size + i);
+  }
+}
+
+// Rotates the first `rotary` channels of each head of x [T, heads, D] by its token's position:
+// cos_sin [max_position, rotary] holds cos in the first half, sin in the second. neox: the
+// halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); interleaved: pairs (x[2i], x[2i+1]).
+template <typename T>
+void rotary(const T *x, const int32_t *positions, const float *cos_sin, int64_t tokens,
+            int64_t heads, int64_t D, int64_t rotary, int64_t max_position, bool neox, T *y) {
+  const int64_t half_rotary = rotary / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 64)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
+    const float *cos = cos_sin + position * rotary, *sin = cos + half_rotary;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T *in = x + (t * heads + h) * D;
+      T *out = y + (t * heads + h) * D;
+      for (int64_t i = 0; i < half_rotary; ++i) {
+        const int64_t a = neox ? i : 2 * i, b = neox ? i + half_rotary : 2 * i + 1;
+        const float x1 = to_float(in[a]), x2 = to_float(in[b]);
+        from_float(x1 * cos[i] - x2 * sin[i], out + a);
+        from_float(x2 * cos[i] + x1 * sin[i], out + b);
+      }
+      if (rotary < D) std::memcpy(out + rotary, in + rotary, (D - rotary) * sizeof(T));
+    }
+  }
+}
+
+bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
+
+template <typename T>
+int norm(void **params, int64_t **shapes, int *ndims, bool with_residual) {
+  const int x_dims = ndims[0];
+  int64_t rows = 1;
+  for (int i = 0; i < x_dims - 1; ++i) rows *= shapes[0][i];
+  const int64_t size = shapes[0][x_dims - 1];
+  const int w = with_residual ? 2 : 1;
+  const int64_t weight_rows = ndims[w] == 2 ? shapes[w][0] : 1;  // per-head weights
+  const float eps = *static_cast<const float *>(params[w + 1]);
+  T *outputs = static_cast<T *>(params[w + 2]);
+  rms_norm(static_cast<const T *>(params[0]),
+           with_residual ? static_cast<const T *>(params[1]) : nullptr,
+           static_cast<const T *>(params[w]), rows, size, weight_rows, eps, outputs,
+           with_residual ? static_cast<T *>(params[w + 3]) : nullptr);
+  return 0;
+}
+
+template <typename T>
+int rope(void **params, int64_t **shapes, bool neox) {
+  rotary(static_cast<const T *>(params[0]), static_cast<const int32_t *>(params[1]),
+         static_cast<const float *>(params[2]), shapes[0][0], shapes[0][1], shapes[0][2],
+         shapes[2][1], shapes[2][0], neox, static_cast<T *>(params[3]));
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [..., H], weight [H] (or [heads, H] for x [T, heads, H]), eps [1] float32 -> y
+int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+            void *) {
+  if (nparam != 4) return 1;
+  return is_half(dtypes[0]) ? norm<half>(params, shapes, ndims, false)
+                            : norm<float>(params, shapes, ndims, false);
+}
+
+// x [T, H], residual [T, H], weight [H], eps [1] float32 -> (y = norm(x + residual), x + residual)
+int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+               void *, void *) {
+  if (nparam != 6) return 1;
+  return is_half(dtypes[0]) ? norm<half>(params, shapes, ndims, true)
+                            : norm<float>(params, shapes, ndims, true);
+}
+
+// x [T, heads, D], positions [T] int32, cos_sin [max_position, rotary] float32 -> y
+int RopeNeox(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
+             void *) {
+  if (nparam != 4) return 1;
+  return is_half(dtypes[0]) ? rope<half>(params, shapes, true) : rope<float>(params, shapes, true);
+}
+
+int RopeInterleaved(int nparam, void **params, int *, int64_t **shapes, const char **dtypes,
+                    void *, void *) {
+  if (nparam != 4) return 1;
+  return is_half(dtypes[0]) ? rope<half>(params, shapes, false)
+                            : rope<float>(params, shapes, false);
+}
+
+}  // extern "C"
