@@ -15,7 +15,8 @@ from mindspore import nn
 from safetensors import SafetensorError, safe_open
 from vllm.logger import init_logger
 
-from model_backends.native.layers import ShardSpec, collect_shards, use_compute_layouts
+from model_backends.native.layers import (ShardSpec, collect_shards, tp_rank_and_size,
+                                          use_compute_layouts)
 
 logger = init_logger("vllm.vllm_mindspore.weights")
 
@@ -73,6 +74,13 @@ def _read(handle, name: str, shard: ShardSpec | None, model_dir: str) -> torch.T
             f"{shard.start}:{shard.start + shard.size} along dim {shard.dim} of the model built "
             f"from config.json: config.json and the weights in {model_dir!r} do not belong "
             "together.")
+    if tp_rank_and_size()[1] == 1 and full[shard.dim] != shard.size:
+        # One rank holds the whole tensor: a longer one would be cut silently. (With TP > 1
+        # a ShardSpec does not carry the full length, so only "too small" is caught there.)
+        raise WeightLoadError(
+            f"Checkpoint tensor {name!r} has shape {tuple(full)} but the model built from "
+            f"config.json expects {shard.size} along dim {shard.dim}: config.json and the "
+            f"weights in {model_dir!r} do not belong together.")
     index = tuple([slice(None)] * shard.dim + [slice(shard.start, shard.start + shard.size)])
     return part[index]
 
