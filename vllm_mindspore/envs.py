@@ -97,10 +97,12 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
 # Other spellings of a variable above (read by its getter).
 ALIASES = {"vLLM_MODEL_BACKEND": "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND": "VLLM_MODEL_BACKEND"}
 
-# Set by the plugin itself for its own child processes (not for users): known to vLLM's check.
+# The project's own variables that are not settings of the plugin, known to vLLM's check: set by
+# the plugin for its child processes, or read by the test suite.
 INTERNAL_VARIABLES = (
     "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED",  # model_backends/mindformers.py
     "VLLM_MS_SCHEDULER_PARENT", "VLLM_MS_SCHEDULER_DEVICE",  # distributed/communication.py
+    "VLLM_MS_RUN_SLOW",  # tests: also run the slow tests
 )
 
 
