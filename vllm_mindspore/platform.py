@@ -116,6 +116,27 @@ def unsupported_features(vllm_config) -> list[str]:
     return found
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "tekken.json")
+
+
+def check_tokenizer_present(model_config) -> None:
+    """A local model folder with no tokenizer file at all fails later in transformers with a
+    misleading message (about sentencepiece/tiktoken); say what is missing, and where."""
+    if model_config is None or model_config.skip_tokenizer_init:
+        return
+    folder = model_config.tokenizer
+    if not folder or not os.path.isdir(folder):
+        return  # a hub id, or a path vLLM reports itself
+    names = os.listdir(folder)
+    if any(name in TOKENIZER_FILES or name.endswith((".tiktoken", ".model")) for name in names):
+        return
+    raise ValueError(
+        f"No tokenizer in {folder!r}: none of {', '.join(TOKENIZER_FILES)} is there. Copy the "
+        "model's tokenizer files into the folder, pass --tokenizer with a folder that has them, "
+        "or --skip-tokenizer-init to send and receive token ids only.")
+
+
 def check_supported_features(vllm_config) -> None:
     found = unsupported_features(vllm_config)
     if found:
@@ -274,6 +295,7 @@ class MindSporePlatform(Platform):
         if model_config is not None:
             check_dtype_for_device(DEVICE, str(model_config.dtype).removeprefix("torch."))
         check_supported_features(vllm_config)
+        check_tokenizer_present(model_config)
         logger.info(
             "MindSpore platform on %s: worker=%s executor=%s tp=%d dp=%d block_size=%d",
             DEVICE, parallel.worker_cls, parallel.distributed_executor_backend,
