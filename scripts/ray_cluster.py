@@ -386,7 +386,7 @@ def start(args, role: str) -> int:
     if node_ip:
         cmd.append(f"--node-ip-address={node_ip}")
     cmd += ["--resources", json.dumps({RESOURCE: devices})]
-    if args.temp_dir and role == "head":
+    if getattr(args, "temp_dir", None):  # head only (a joining node uses the cluster's)
         cmd.append(f"--temp-dir={args.temp_dir}")
     cmd += args.ray_args
     added = {}
