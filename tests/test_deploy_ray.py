@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -251,3 +252,152 @@ def test_stop_leaves_no_ray_process_and_spares_other_ray_processes(rehearsal, cl
     finally:
         os.killpg(decoy.pid, signal.SIGKILL)
         decoy.wait()
+
+
+# ------------------------------------------------------------------------------------------
+# A real second node: two network + UTS namespaces on this machine (own address, own hostname)
+# joined by a veth pair, so `join` passes its hostname check and Ray places one rank per node.
+
+NODE_A, NODE_B, IFNAME = "10.77.0.1", "10.77.0.2", "vmsnet0"
+
+
+def _namespace(*flags: str) -> tuple[subprocess.Popen, int]:
+    """A process holding new namespaces -> (the unshare process, the pid inside them)."""
+    holder = subprocess.Popen(["unshare", *flags, "--fork", "sleep", "3600"],
+                              start_new_session=True)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        with contextlib.suppress(psutil.Error):
+            children = psutil.Process(holder.pid).children()
+            if children:
+                return holder, children[0].pid
+        time.sleep(0.05)
+    raise RuntimeError("unshare started no child")
+
+
+def _in(pid: int, *command: str, mount: bool = False) -> list[str]:
+    return ["nsenter", "-t", str(pid), "-n", "-u", *(["-m"] if mount else []), *command]
+
+
+def _sh(pid: int, script: str, mount: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run(_in(pid, "bash", "-e", "-c", script, mount=mount), capture_output=True,
+                            text=True, timeout=kwargs.pop("timeout", 60), **kwargs)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture
+def two_nodes(rehearsal, tmp_path):
+    if not (shutil.which("unshare") and shutil.which("nsenter") and shutil.which("ip")):
+        pytest.skip("needs unshare, nsenter and ip (util-linux, iproute2)")
+    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here: {probe.stderr.decode().strip()}")
+    ray_tmp = tempfile.mkdtemp(prefix="vmsnodes", dir="/tmp")
+    holders, sessions = [], []
+    try:
+        holder_a, pid_a = _namespace("--net", "--uts")
+        holder_b, pid_b = _namespace("--net", "--uts", "--mount")
+        holders += [holder_a, holder_b]
+        _sh(pid_a, f"hostname node-a; ip link set lo up; ip link add {IFNAME} type veth peer name "
+                   f"vmspeer; ip link set vmspeer netns {pid_b}; ip addr add {NODE_A}/24 dev {IFNAME}; "
+                   f"ip link set {IFNAME} up; ip route add default dev {IFNAME}")
+        # Node b: its own Ray session folder and shared memory, as a separate machine has.
+        _sh(pid_b, f"hostname node-b; ip link set lo up; ip link set vmspeer name {IFNAME}; "
+                   f"ip addr add {NODE_B}/24 dev {IFNAME}; ip link set {IFNAME} up; "
+                   f"ip route add default dev {IFNAME}; mount -t tmpfs tmpfs {ray_tmp}; "
+                   "mount -t tmpfs tmpfs /dev/shm", mount=True)
+        env_file = tmp_path / "ray_env_nodes.sh"
+        env_file.write_text("export VLLM_MS_DEVICE=CPU\n" + "".join(
+            f"export {name}={IFNAME}\n" for name in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME",
+                                                     "HCCL_SOCKET_IFNAME")))
+        states = {node: str(tmp_path / f"state-{node}") for node in "ab"}
+        yield SimpleNamespace(pid_a=pid_a, pid_b=pid_b, ray_tmp=ray_tmp, env_file=str(env_file),
+                              states=states, sessions=sessions)
+    finally:
+        for node, pid in (("b", locals().get("pid_b")), ("a", locals().get("pid_a"))):
+            state = os.path.join(str(tmp_path), f"state-{node}", "cluster.json")
+            if pid and os.path.exists(state):
+                with open(state) as f:
+                    sessions.append(json.load(f)["sid"])
+                subprocess.run(_in(pid, sys.executable, os.path.join(ROOT, SCRIPT), "--state-dir",
+                                   os.path.dirname(state), "stop", mount=node == "b"),
+                               capture_output=True, timeout=120, env=rehearsal["env"])
+        leftover = [pid for sid in sessions for pid in kill_session(sid)]
+        for holder in holders:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        assert not leftover, f"Ray processes left behind: {leftover}"
+
+
+CLIENT = """
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", timeout=120, max_retries=0)
+prompts = json.loads(sys.argv[3])
+def one(prompt):
+    return client.completions.create(model=sys.argv[2], prompt=prompt, max_tokens=int(sys.argv[4]),
+        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
+with ThreadPoolExecutor(len(prompts)) as pool:
+    print(json.dumps(list(pool.map(one, prompts))))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("VLLM_MS_RUN_SLOW") != "1",
+                    reason="slow (about 2 min): a second Ray node in network namespaces; "
+                           "VLLM_MS_RUN_SLOW=1 runs it")
+def test_tp2_over_two_ray_nodes_matches_tp1(rehearsal, tp1_tokens, two_nodes, tmp_path):
+    nodes, env = two_nodes, rehearsal["env"]
+    script_path = os.path.join(ROOT, SCRIPT)
+    port = free_port()
+    head = _sh(nodes.pid_a, f"{sys.executable} {script_path} --state-dir {nodes.states['a']} head "
+                            f"--env-file {nodes.env_file} --node-ip-address {NODE_A} --devices 1 "
+                            f"--port {port} --temp-dir {nodes.ray_tmp} -- --num-cpus=1 "
+                            "--include-dashboard=false", env=env, timeout=240)
+    assert f"cluster {NODE_A}:{port}" in head.stdout
+    joined = _sh(nodes.pid_b, f"{sys.executable} {script_path} --state-dir {nodes.states['b']} join "
+                              f"--env-file {nodes.env_file} --address {NODE_A}:{port} "
+                              f"--node-ip-address {NODE_B} --devices 1 -- --num-cpus=1",
+                 mount=True, env=env, timeout=240)
+    assert "Ray join started" in joined.stdout
+    status = _sh(nodes.pid_a, f"{sys.executable} {script_path} --state-dir {nodes.states['a']} "
+                              "status --tensor-parallel-size 2", env=env)
+    assert "2 node(s) alive" in status.stdout and "node-b" in status.stdout
+    assert "needs 2 NPU: fits" in status.stdout
+
+    # Every node reads the model from the same absolute path (relative paths resolve per node).
+    model = os.path.join(rehearsal["work"], "demo_model")
+    serve = (f'eval "$({sys.executable} {script_path} --state-dir {nodes.states["a"]} env)"\n'
+             f"exec vllm-mindspore serve {model} --tensor-parallel-size 2 "
+             "--distributed-executor-backend ray --max-model-len 2048 --host 127.0.0.1 --port 8000 "
+             + " ".join(SERVE_EXTRA))
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(_in(nodes.pid_a, "bash", "-e", "-c", serve), env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while subprocess.run(_in(nodes.pid_a, "curl", "-sf", "http://127.0.0.1:8000/health"),
+                             capture_output=True).returncode != 0:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            assert time.time() < deadline, log_path.read_text()[-4000:]
+            time.sleep(1)
+        result = subprocess.run(_in(nodes.pid_a, sys.executable, "-c", CLIENT,
+                                    "http://127.0.0.1:8000/v1", model, json.dumps(PROMPTS),
+                                    str(MAX_TOKENS)), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert json.loads(result.stdout) == tp1_tokens
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    log = log_path.read_text()
+    # One rank on each node: Ray tags the remote actor's lines with its node's address.
+    assert f"ip={NODE_B})" in log and "MindSpore communication up: rank 1 of 2" in log
+    assert "MindSpore communication up: rank 0 of 2" in log
