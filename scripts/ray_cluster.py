@@ -105,13 +105,16 @@ def watched(env: dict[str, str], file_vars: dict[str, str | None]) -> dict[str, 
     return {n: env.get(n) for n in sorted(names)}
 
 
+def _shown(value: str | None) -> str:
+    return "(unset)" if value is None else repr(value)
+
+
 def env_changes(recorded: dict[str, str | None], now: dict[str, str | None]) -> list[str]:
     lines = []
     for name in sorted(set(recorded) | set(now)):
         before, after = recorded.get(name), now.get(name)
         if before != after:
-            show = lambda v: "(unset)" if v is None else repr(v)  # noqa: E731
-            lines.append(f"{name}: {show(before)} at ray start, now {show(after)}")
+            lines.append(f"{name}: {_shown(before)} at ray start, now {_shown(after)}")
     return lines
 
 
@@ -198,7 +201,7 @@ def gcs_nodes(address: str, timeout: float = 20) -> list[dict]:
 def check_hostname_unique(address: str) -> None:
     try:
         nodes = gcs_nodes(address)
-    except Exception as error:  # noqa: BLE001 - any connection failure is the same to the user
+    except Exception as error:
         raise Refused(f"cannot reach the head's Ray GCS at {address}: {error}. Check the address "
                       "(the head prints it), the port and the firewall.") from error
     me = socket.gethostname()
@@ -457,7 +460,7 @@ def cmd_status(args) -> int:
         return FAILED
     try:
         nodes = gcs_nodes(address)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         say(f"cannot reach the Ray cluster at {address}: {error}")
         return FAILED
     total = sum(n["resources"].get(RESOURCE, 0) for n in nodes)

@@ -31,8 +31,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 from conftest import PROMPTS, ROOT, free_port, greedy_tokens
-from test_docs_blocks import (BlockServer, block_env, doc_block, make_workdir, replace_checked,
-                              run_block)
+from test_docs_blocks import BlockServer, block_env, doc_block, make_workdir, replace_checked, run_block
 
 SCRIPT = "scripts/ray_cluster.py"
 # Bounds for a shared 2-core machine, added to the docs' commands: a small KV cache instead of
