@@ -167,12 +167,23 @@ def test_relative_links_resolve():
     assert not broken, broken
 
 
+def _committed(paths: list[str]) -> list[str]:
+    """`paths` that git tracks (all of them outside a git checkout): a page someone is still
+    writing need not be linked yet."""
+    result = subprocess.run(["git", "ls-files", "--", "docs"], cwd=ROOT, capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        return paths
+    tracked = {os.path.join(ROOT, line) for line in result.stdout.split()}
+    return [p for p in paths if p in tracked]
+
+
 def test_readme_links_every_doc():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    missing = [os.path.relpath(p, ROOT) for p in doc_files() + sorted(NOT_OURS)
+    missing = [os.path.relpath(p, ROOT) for p in _committed(doc_files() + sorted(NOT_OURS))
                if os.path.relpath(p, ROOT) not in readme]
-    assert not missing, f"README.md does not link {missing}"
+    assert not missing, f"README.md does not link {missing} (its Documentation section)"
 
 
 # ------------------------------------------------------------------------------------------
