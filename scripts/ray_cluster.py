@@ -73,15 +73,18 @@ def say(message: str) -> None:
 # environment
 
 
-def load_env_file(path: str | None, base: dict[str, str]) -> tuple[dict[str, str], dict[str, str | None]]:
-    """Source `path` with bash on top of `base` -> (resulting environment, {name: value or None
-    (unset)} for each variable the file changed). Plain `X=1` lines count as exported."""
+def load_env_file(path: str | None, base: dict[str, str],
+                  cwd: str | None = None) -> tuple[dict[str, str], dict[str, str | None]]:
+    """Source `path` with bash on top of `base` (in `cwd`, where the node was started, so `$PWD`
+    in the file means the same) -> (resulting environment, {name: value or None (unset)} for each
+    variable the file changed). Plain `X=1` lines count as exported."""
     if not path:
         return dict(base), {}
     if not os.path.isfile(path):
         raise Refused(f"env file {path} does not exist.")
     script = 'set -a; . "$1" >/dev/null || exit 97; exec env -0'
-    result = subprocess.run(["bash", "-c", script, "ray_cluster-env", path], env=base,
+    cwd = cwd if cwd and os.path.isdir(cwd) else None
+    result = subprocess.run(["bash", "-c", script, "ray_cluster-env", path], env=base, cwd=cwd,
                             capture_output=True, timeout=120)
     if result.returncode != 0:
         raise Refused(f"sourcing the env file {path} failed (exit {result.returncode}):\n"
@@ -120,7 +123,7 @@ def env_changes(recorded: dict[str, str | None], now: dict[str, str | None]) -> 
 
 def current_env(state: dict, env_file: str | None) -> tuple[dict[str, str], dict[str, str | None]]:
     path = env_file if env_file is not None else state.get("env_file")
-    return load_env_file(path, dict(os.environ))
+    return load_env_file(path, dict(os.environ), state.get("cwd"))
 
 
 def report_env(state: dict, env_file: str | None) -> list[str]:
@@ -322,7 +325,9 @@ def restart_command(state: dict) -> str:
         argv = argv[:i] + ["--restart"] + argv[i:]
     else:
         argv = argv + ["--restart"]
-    return "python " + " ".join(shlex.quote(a) for a in argv)
+    command = "python " + " ".join(shlex.quote(a) for a in argv)
+    cwd = state.get("cwd")
+    return f"cd {shlex.quote(cwd)} && {command}" if cwd and cwd != os.getcwd() else command
 
 
 def self_command(state: dict, sub: str) -> str:
@@ -428,7 +433,7 @@ def start(args, role: str) -> int:
         "hostname": socket.gethostname(), "device": device, "devices": devices,
         "env_file": os.path.abspath(args.env_file) if args.env_file else None,
         "env_file_vars": file_vars, "env": watched(env, file_vars), "ray_env": added,
-        "state_dir": args.state_dir, "command": cmd, "argv": list(sys.argv),
+        "state_dir": args.state_dir, "command": cmd, "argv": list(sys.argv), "cwd": os.getcwd(),
     }
     write_state(args, state)
     say(f"Ray {role} started: cluster {address}, session {sid}.")

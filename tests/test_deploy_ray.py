@@ -186,7 +186,7 @@ def test_status_refuses_a_layout_that_does_not_fit(rehearsal, cluster):
     assert "needs 2 NPU: fits" in result.stdout
 
 
-def test_changed_environment_is_reported_not_ignored(rehearsal, cluster):
+def test_changed_environment_is_reported_not_ignored(rehearsal, cluster, tmp_path):
     env_file = os.path.join(rehearsal["work"], "ray_env_cpu.sh")
     with open(env_file) as f:
         original = f.read()
@@ -211,6 +211,10 @@ def test_changed_environment_is_reported_not_ignored(rehearsal, cluster):
                       expect_rc=3)
     assert "HCCL_OP_EXPANSION_MODE: (unset) at ray start, now 'AIV'" in shell.stdout
     assert script(rehearsal, "status", expect_rc=0)
+    # From another folder the env file still means what it meant ($PWD in it): no false alarm.
+    elsewhere = run_block(f"{sys.executable} {os.path.join(ROOT, SCRIPT)} --state-dir "
+                          f"{rehearsal['state']} status", tmp_path, rehearsal["env"], expect_rc=0)
+    assert "environment: unchanged" in elsewhere.stdout
 
 
 def test_a_second_node_with_this_hostname_is_refused(rehearsal, cluster, tmp_path):
