@@ -2,7 +2,8 @@
 joined by MindSpore's collective communication, requests streaming, then a rank's peer is lost
 (MindSpore's communication scheduler killed) or a worker is killed mid-step. Either way the
 server must stop by itself within 30 s, with a non-zero status and an error naming the cause;
-requests in flight get an error; no process or listening port is left.
+requests in flight get an error; no process or listening port is left. And two bare ranks check
+the exit status a rank leaves once its communication is up.
 
 (SIGTERM under load and a request that raises inside a step: tests/test_reliability_serving.py.)
 """
@@ -10,6 +11,9 @@ requests in flight get an error; no process or listening port is left.
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, free_port
 from test_reliability_helpers import (LOOPBACK, bound_sockets, leftover_processes,
                                       port_listening, process_tree, wait_until_gone)
 
@@ -117,3 +121,48 @@ def test_worker_killed_mid_step_stops_the_server(serve, model):
                                          "died unexpectedly")
     assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
     print(f"stopped {stopped:.1f} s after the worker was killed")
+
+
+def test_a_rank_that_raises_exits_non_zero_and_its_peer_zero(tmp_path):
+    """Two ranks join MindSpore's collective world as the workers do (init_communication over a
+    gloo group, no msrun), then rank 0 raises at top level and rank 1 ends normally: the exit
+    handler that skips MindSpore's finalize (it can only hang after vLLM's shutdown) must keep
+    rank 0's failure a non-zero status, and rank 1's 0; the scheduler dies with rank 0."""
+    script = textwrap.dedent(f"""
+        import sys
+        import torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=rank,
+                                world_size=2)
+        import mindspore as ms
+        ms.set_device("CPU")
+        from vllm_mindspore.distributed.communication import init_communication
+        init_communication(rank, 2, dist.group.WORLD, "127.0.0.1", "CPU", [0, 1])
+        dist.barrier()
+        if rank == 0:
+            raise RuntimeError("rank 0 failed after communication came up")
+    """)
+    env = {**os.environ, "VLLM_MS_COMM_TIMEOUT": "60", "GLOG_v": "3"}
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True, cwd=tmp_path)
+             for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+                rank.wait()
+    logs = [stdout + stderr for stdout, stderr in outputs]
+    assert "rank 0 failed after communication came up" in logs[0], logs[0][-2000:]
+    assert [rank.returncode for rank in ranks] == [1, 0], [log[-1500:] for log in logs]
+    deadline = time.time() + 10
+    while time.time() < deadline and any(
+            "VLLM_MS_SCHEDULER_PARENT" in " ".join(p.info["cmdline"] or [])
+            and p.info["ppid"] in (1, ranks[0].pid)
+            for p in psutil.process_iter(["cmdline", "ppid"])):
+        time.sleep(0.25)
+    leftover = [p.pid for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not leftover
