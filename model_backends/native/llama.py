@@ -52,7 +52,8 @@ class LlamaAttention(nn.Cell):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, self.head_dim, config.max_position_embeddings,
-            getattr(config, "rope_parameters", None), is_neox_style=True, dtype=dtype)
+            getattr(config, "rope_parameters", None), is_neox_style=True, dtype=dtype,
+            heads=self.num_heads + self.num_kv_heads)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, block_size)
         self.key_cache = None
@@ -76,16 +77,13 @@ class LlamaAttention(nn.Cell):
             self.q_norm = self.k_norm = None
 
     def construct(self, positions, hidden, attn_metadata, prefill_only):
-        num_tokens = hidden.shape[0]
-        qk_heads = self.num_heads + self.num_kv_heads
-        qk, v = mint.split(self.qkv_proj(hidden),
-                           (qk_heads * self.head_dim, self.num_kv_heads * self.head_dim), -1)
-        qk = qk.reshape(num_tokens, qk_heads, self.head_dim)
-        if self.qk_norm:
-            qk = self.qk_norm_(qk)
-        qk = self.rotary_emb(positions, qk)
-        out = self.attn(qk, v.reshape(num_tokens, self.num_kv_heads, self.head_dim),
-                        self.key_cache, self.value_cache, positions, *attn_metadata, prefill_only)
+        # q|k|v [T, (H + 2 KVH) * D]: the norm (Qwen3) and rope read the q and k heads at the
+        # front of each row, the attention the values at its end (no split copies).
+        qkv = self.qkv_proj(hidden)
+        qk = self.qk_norm_(qkv) if self.qk_norm else qkv
+        qk = self.rotary_emb(positions, qk)  # [T, H + KVH, D]
+        out = self.attn(qk, qkv, self.key_cache, self.value_cache, positions, *attn_metadata,
+                        prefill_only)
         return self.o_proj(out)
 
 

@@ -80,7 +80,8 @@ def prefill_mask(dtype) -> ms.Tensor:
 
 class PagedAttention(nn.Cell):
     """qk [T, H + KVH, D] (each token's query heads, then its key heads, both rotated),
-    v [T, KVH, Dv], the layer's caches (`cache_shapes`) -> out [T, H * Dv]."""
+    v [T, W] (the last KVH * Dv channels of each row are the token's values: a fused q|k|v row
+    or the values alone), the layer's caches (`cache_shapes`) -> out [T, H * Dv]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  block_size: int, v_head_size: int | None = None):
@@ -99,11 +100,10 @@ class PagedAttention(nn.Cell):
             self.paged_attention = ops.auto_generate.PagedAttention(num_heads, scale,
                                                                     num_kv_heads)
         else:
-            v_size = self.v_head_size
-            self.kernel = kernels.custom_op(
-                "PagedAttention",
-                lambda qk, v, *_: (qk[0], qk[1] - v[1], v_size),
-                lambda qk, *_: qk)
+            heads, v_size = num_heads, self.v_head_size
+            self.kernel = kernels.custom_op("PagedAttention",
+                                            lambda qk, *_: (qk[0], heads, v_size),
+                                            lambda qk, *_: qk)
             self.scale_tensor = ms.Tensor([scale], ms.float32)
 
     def cache_shapes(self, num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -117,9 +117,9 @@ class PagedAttention(nn.Cell):
     def _ascend_key_value(self, qk, v):
         """The new keys and values as ReshapeAndCache takes them: [T, KVH * D] (its inference
         counts tokens as all but the last dimension)."""
-        num_tokens = qk.shape[0]
+        num_tokens, values = qk.shape[0], self.num_kv_heads * self.v_head_size
         return (qk[:, self.num_heads:].reshape(num_tokens, self.num_kv_heads * self.head_size),
-                v.reshape(num_tokens, self.num_kv_heads * self.v_head_size))
+                v[:, v.shape[1] - values:])
 
     def construct(self, qk, v, key_cache, value_cache, positions, slot_mapping, block_tables,
                   batch_valid_length, q_seq_lens, prefill_only: bool = False):

@@ -17,7 +17,9 @@ from vllm_mindspore.platform import ASCEND, kernel_device
 class RMSNorm(nn.Cell):
     """x: [..., hidden] -> [..., hidden]; with `residual`: (norm(x + residual), x + residual).
     `weight` is named like the checkpoint's tensor. A `stacked` norm has a weight [heads,
-    head_dim] that normalises each head of x [T, heads, head_dim] with its own row."""
+    head_dim]: it takes the first heads * head_dim channels of each row of x [T, W] (q and k at
+    the front of a fused q|k|v row) and normalises each head with its own row -> [T, heads,
+    head_dim]."""
 
     def __init__(self, hidden_size: int, eps: float, dtype=ms.float32):
         super().__init__()
@@ -38,13 +40,23 @@ class RMSNorm(nn.Cell):
         stacked = cls(first.weight.shape[0], first.eps, first.weight.dtype)
         rows = [np.tile(to_host(norm.weight), (count, 1)) for norm, count in norms]
         stacked.weight = parameter(np.concatenate(rows), first.weight.dtype, f"{name}.weight")
+        heads, size = stacked.weight.shape
+        stacked.heads = heads
+        if not stacked.fused:
+            stacked.norm_kernel = kernels.custom_op("RmsNorm", lambda x, *_: (x[0], heads, size),
+                                                    lambda x, *_: x)
         return stacked
+
+    heads = None
 
     def construct(self, x, residual=None):
         if not self.fused:
             if residual is None:
                 return self.norm_kernel(x, self.weight, self.eps_tensor)
             return self.add_norm_kernel(x, residual, self.weight, self.eps_tensor)
+        if self.heads is not None:
+            size = self.weight.shape[1]
+            x = x[:, :self.heads * size].reshape(x.shape[0], self.heads, size)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)[0]
         x = x + residual

@@ -33,15 +33,18 @@ class RotaryEmbedding(nn.Cell):
     """Rotates the first `rotary_dim` channels of every head by its token's position.
 
     positions [T], x [T, heads, head_size] -> [T, heads, head_size]. Queries and keys are rotated
-    in one call (stacked along heads). neox style rotates the two halves; otherwise (GPT-J /
-    DeepSeek "interleaved") even/odd pairs. CPU: one C++ operator (`csrc/norm_rope.cc`);
+    in one call (stacked along heads). With `heads`, x is [T, W] and its first `heads` heads of
+    each row are rotated (q and k at the front of a fused q|k|v row) -> [T, heads, head_size].
+    neox style rotates the two halves; otherwise (GPT-J / DeepSeek "interleaved") even/odd pairs. CPU: one C++ operator (`csrc/norm_rope.cc`);
     Ascend: RotaryPositionEmbedding (mode 0 halves, 1 pairs) for a full-width rotation, else
     the same math from MindSpore ops.
     """
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int,
-                 rope_parameters: dict | None, is_neox_style: bool = True, dtype=ms.float32):
+                 rope_parameters: dict | None, is_neox_style: bool = True, dtype=ms.float32,
+                 heads: int | None = None):
         super().__init__()
+        self.heads = heads
         cos, sin = rope_cos_sin(head_size, rotary_dim, max_position, rope_parameters, is_neox_style)
         self.rotary_dim = rotary_dim
         self.head_size = head_size
@@ -53,8 +56,10 @@ class RotaryEmbedding(nn.Cell):
             self.sin = Tensor(sin, dtype)
         else:
             self.cos_sin = Tensor(np.concatenate((cos, sin), -1), ms.float32)
-            self.kernel = kernels.custom_op("RopeNeox" if is_neox_style else "RopeInterleaved",
-                                            lambda x, *_: x, lambda x, *_: x)
+            self.kernel = kernels.custom_op(
+                "RopeNeox" if is_neox_style else "RopeInterleaved",
+                (lambda x, *_: x) if heads is None else (lambda x, *_: (x[0], heads, head_size)),
+                lambda x, *_: x)
 
     def _rotate(self, x, cos, sin):
         rot = x if self.rotary_dim == self.head_size else x[..., : self.rotary_dim]
@@ -73,6 +78,8 @@ class RotaryEmbedding(nn.Cell):
     def construct(self, positions, x):
         if not self.on_ascend:
             return self.kernel(x, positions, self.cos_sin)
+        if self.heads is not None and x.ndim == 2:
+            x = x[:, :self.heads * self.head_size].reshape(x.shape[0], self.heads, self.head_size)
         cos = ops.gather(self.cos, positions, 0).expand_dims(1)  # [T, 1, rotary_dim // 2]
         sin = ops.gather(self.sin, positions, 0).expand_dims(1)
         if not self.fused:

@@ -13,19 +13,21 @@ namespace {
 
 using namespace vllm_ms;
 
-// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight[r % weight_rows], in float32; with a
-// residual: x[r] + residual[r] is normalised and also returned (sum).
+// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight[r % weight_rows], in float32, for rows of
+// `size` values; rows_per_token rows of y per token, read from the start of the token's row of
+// x (token stride `x_stride`). With a residual: x + residual is normalised and also returned.
 template <typename T>
-void rms_norm(const T *x, const T *residual, const T *weight, int64_t rows, int64_t size,
-              int64_t weight_rows, float eps, T *y, T *sum) {
+void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,
+              int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, T *y, T *sum) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 64)
   for (int64_t r = 0; r < rows; ++r) {
     thread_local std::vector<float> buffer;
     buffer.resize(size);
     float *v = buffer.data();
+    const T *xr = x + (r / rows_per_token) * x_stride + (r % rows_per_token) * size;
     float squares = 0.0f;
     for (int64_t i = 0; i < size; ++i) {
-      v[i] = to_float(x[r * size + i]) + (residual ? to_float(residual[r * size + i]) : 0.0f);
+      v[i] = to_float(xr[i]) + (residual ? to_float(residual[r * size + i]) : 0.0f);
       squares += v[i] * v[i];
     }
     if (residual) {
@@ -37,19 +39,21 @@ void rms_norm(const T *x, const T *residual, const T *weight, int64_t rows, int6
   }
 }
 
-// Rotates the first `rotary` channels of each head of x [T, heads, D] by its token's position:
-// cos_sin [max_position, rotary] holds cos in the first half, sin in the second. neox: the
-// halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); interleaved: pairs (x[2i], x[2i+1]).
+// Rotates the first `rotary` channels of each head of y [T, heads, D] by its token's position,
+// the heads read from the start of the token's row of x (token stride `x_stride`): cos_sin
+// [max_position, rotary] holds cos in the first half, sin in the second. neox: the halves
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); interleaved: pairs (x[2i], x[2i+1]).
 template <typename T>
-void rotary(const T *x, const int32_t *positions, const float *cos_sin, int64_t tokens,
-            int64_t heads, int64_t D, int64_t rotary, int64_t max_position, bool neox, T *y) {
+void rotary(const T *x, int64_t x_stride, const int32_t *positions, const float *cos_sin,
+            int64_t tokens, int64_t heads, int64_t D, int64_t rotary, int64_t max_position,
+            bool neox, T *y) {
   const int64_t half_rotary = rotary / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 64)
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
     const float *cos = cos_sin + position * rotary, *sin = cos + half_rotary;
     for (int64_t h = 0; h < heads; ++h) {
-      const T *in = x + (t * heads + h) * D;
+      const T *in = x + t * x_stride + h * D;
       T *out = y + (t * heads + h) * D;
       for (int64_t i = 0; i < half_rotary; ++i) {
         const int64_t a = neox ? i : 2 * i, b = neox ? i + half_rotary : 2 * i + 1;
@@ -64,28 +68,42 @@ void rotary(const T *x, const int32_t *positions, const float *cos_sin, int64_t 
 
 bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
 
+// The output's shape says what is read: its first dimension is the tokens, its last the
+// normalised (rotated) size, and each token's values are taken from the start of its row of
+// the input, which may be wider (q and k heads at the front of a fused q|k|v row).
+struct Rows {
+  int64_t tokens, per_token, size, x_stride;
+};
+
+Rows rows_of(int64_t **shapes, const int *ndims, int x, int y) {
+  int64_t per_token = 1, x_stride = 1;
+  for (int i = 1; i < ndims[y] - 1; ++i) per_token *= shapes[y][i];
+  for (int i = 1; i < ndims[x]; ++i) x_stride *= shapes[x][i];
+  return {shapes[y][0], per_token, shapes[y][ndims[y] - 1], x_stride};
+}
+
 template <typename T>
 int norm(void **params, int64_t **shapes, int *ndims, bool with_residual) {
-  const int x_dims = ndims[0];
-  int64_t rows = 1;
-  for (int i = 0; i < x_dims - 1; ++i) rows *= shapes[0][i];
-  const int64_t size = shapes[0][x_dims - 1];
   const int w = with_residual ? 2 : 1;
+  const Rows rows = rows_of(shapes, ndims, 0, w + 2);
+  if (rows.x_stride < rows.per_token * rows.size) return 1;
   const int64_t weight_rows = ndims[w] == 2 ? shapes[w][0] : 1;  // per-head weights
-  const float eps = *static_cast<const float *>(params[w + 1]);
-  T *outputs = static_cast<T *>(params[w + 2]);
-  rms_norm(static_cast<const T *>(params[0]),
+  rms_norm(static_cast<const T *>(params[0]), rows.x_stride,
            with_residual ? static_cast<const T *>(params[1]) : nullptr,
-           static_cast<const T *>(params[w]), rows, size, weight_rows, eps, outputs,
-           with_residual ? static_cast<T *>(params[w + 3]) : nullptr);
+           static_cast<const T *>(params[w]), rows.tokens * rows.per_token, rows.per_token,
+           rows.size, weight_rows, *static_cast<const float *>(params[w + 1]),
+           static_cast<T *>(params[w + 2]), with_residual ? static_cast<T *>(params[w + 3]) : nullptr);
   return 0;
 }
 
 template <typename T>
-int rope(void **params, int64_t **shapes, bool neox) {
-  rotary(static_cast<const T *>(params[0]), static_cast<const int32_t *>(params[1]),
-         static_cast<const float *>(params[2]), shapes[0][0], shapes[0][1], shapes[0][2],
-         shapes[2][1], shapes[2][0], neox, static_cast<T *>(params[3]));
+int rope(void **params, int64_t **shapes, int *ndims, bool neox) {
+  const Rows rows = rows_of(shapes, ndims, 0, 3);
+  if (ndims[3] != 3 || rows.x_stride < rows.per_token * rows.size) return 1;
+  rotary(static_cast<const T *>(params[0]), rows.x_stride,
+         static_cast<const int32_t *>(params[1]), static_cast<const float *>(params[2]),
+         rows.tokens, rows.per_token, rows.size, shapes[2][1], shapes[2][0], neox,
+         static_cast<T *>(params[3]));
   return 0;
 }
 
@@ -93,7 +111,7 @@ int rope(void **params, int64_t **shapes, bool neox) {
 
 extern "C" {
 
-// x [..., H], weight [H] (or [heads, H] for x [T, heads, H]), eps [1] float32 -> y
+// x [T, ...], weight [H] (or [heads, H]), eps [1] float32 -> y [T, ..., H] (see Rows)
 int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
             void *) {
   if (nparam != 4) return 1;
@@ -109,18 +127,20 @@ int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const ch
                             : norm<float>(params, shapes, ndims, true);
 }
 
-// x [T, heads, D], positions [T] int32, cos_sin [max_position, rotary] float32 -> y
-int RopeNeox(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
-             void *) {
+// x [T, ...], positions [T] int32, cos_sin [max_position, rotary] float32 -> y [T, heads, D]
+// (see Rows)
+int RopeNeox(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+             void *, void *) {
   if (nparam != 4) return 1;
-  return is_half(dtypes[0]) ? rope<half>(params, shapes, true) : rope<float>(params, shapes, true);
+  return is_half(dtypes[0]) ? rope<half>(params, shapes, ndims, true)
+                            : rope<float>(params, shapes, ndims, true);
 }
 
-int RopeInterleaved(int nparam, void **params, int *, int64_t **shapes, const char **dtypes,
+int RopeInterleaved(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                     void *, void *) {
   if (nparam != 4) return 1;
-  return is_half(dtypes[0]) ? rope<half>(params, shapes, false)
-                            : rope<float>(params, shapes, false);
+  return is_half(dtypes[0]) ? rope<half>(params, shapes, ndims, false)
+                            : rope<float>(params, shapes, ndims, false);
 }
 
 }  // extern "C"

@@ -33,7 +33,8 @@ using namespace vllm_ms;
 struct Shape {
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, v_head_dim, block_size;
   int64_t num_rows, max_blocks;  // block table: [num_rows, max_blocks]
-  int64_t query_stride, key_stride;  // elements from one token's query (key) to the next's
+  int64_t query_stride, key_stride, value_stride;  // elements from one token's query (key,
+                                                    // value) to the next's
   bool latent;                   // MLA: one cache, values are its first v_head_dim channels
   float scale;
 };
@@ -57,7 +58,7 @@ void write_cache(const Shape &s, const T *key, const T *value, T *key_cache, T *
       for (int64_t d = 0; d < D; ++d) kt[d * bs] = k[d];
       if (!s.latent) {
         std::memcpy(value_cache + ((block * s.num_kv_heads + kvh) * bs + offset) * Dv,
-                    value + (t * s.num_kv_heads + kvh) * Dv, Dv * sizeof(T));  // v: contiguous
+                    value + t * s.value_stride + kvh * Dv, Dv * sizeof(T));
       }
     }
   }
@@ -266,34 +267,40 @@ int run(const Shape &s, const T *query, const T *key, const T *value, T *key_cac
 
 bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
 
+template <typename T>
+int paged_attention(void **params, int *ndims, int64_t **shapes, const Shape &s) {
+  T *qk = static_cast<T *>(params[0]);
+  // The values are the last KVH * Dv channels of each row of v (a fused q|k|v row, or v alone).
+  T *v = static_cast<T *>(params[1]) + s.value_stride - s.num_kv_heads * s.v_head_dim;
+  auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
+  return run(s, qk, qk + s.num_heads * s.head_dim, v, static_cast<T *>(params[2]),
+             static_cast<T *>(params[3]), i32(4), i32(5), i32(6), i32(7),
+             static_cast<T *>(params[9]));
+}
+
 }  // namespace
 
 extern "C" {
 
 void SetNumThreads(int threads) { vllm_ms::num_threads = std::max(1, threads); }
 
-// qk [T, H + KVH, D] (each token's H query heads, then its KVH key heads), v [T, KVH, Dv],
-// key_cache [NB, KVH, D, bs], value_cache [NB, KVH, bs, Dv], slot_mapping [T], block_tables
-// [B, MB], seq_lens [B], q_lens [B], scale [1] (float32) -> out [T, H, Dv]
+// qk [T, H + KVH, D] (each token's H query heads, then its KVH key heads), v [T, W] (its last
+// KVH * Dv channels are the token's values), key_cache [NB, KVH, D, bs], value_cache
+// [NB, KVH, bs, Dv], slot_mapping [T], block_tables [B, MB], seq_lens [B], q_lens [B],
+// scale [1] (float32) -> out [T, H, Dv]
 int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                    void *stream, void *extra) {
-  if (nparam != 10) return 1;
-  const int64_t kv_heads = shapes[1][1], heads = shapes[0][1] - kv_heads, D = shapes[0][2];
-  Shape s{shapes[0][0], heads,        kv_heads,     D,
-          shapes[1][2], shapes[2][3], shapes[5][0], shapes[5][1],
-          (heads + kv_heads) * D,     (heads + kv_heads) * D,
-          false,        *static_cast<float *>(params[8])};
-  auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
-  if (is_half(dtypes[0])) {
-    half *qk = static_cast<half *>(params[0]);
-    return run(s, qk, qk + heads * D, static_cast<half *>(params[1]),
-               static_cast<half *>(params[2]), static_cast<half *>(params[3]), i32(4), i32(5),
-               i32(6), i32(7), static_cast<half *>(params[9]));
-  }
-  float *qk = static_cast<float *>(params[0]);
-  return run(s, qk, qk + heads * D, static_cast<float *>(params[1]),
-             static_cast<float *>(params[2]), static_cast<float *>(params[3]), i32(4), i32(5),
-             i32(6), i32(7), static_cast<float *>(params[9]));
+  if (nparam != 10 || ndims[0] != 3) return 1;
+  const int64_t kv_heads = shapes[2][1], heads = shapes[0][1] - kv_heads, D = shapes[0][2];
+  int64_t value_stride = 1;
+  for (int i = 1; i < ndims[1]; ++i) value_stride *= shapes[1][i];
+  const Shape s{shapes[0][0], heads,        kv_heads,     D,
+                shapes[3][3], shapes[2][3], shapes[5][0], shapes[5][1],
+                (heads + kv_heads) * D,     (heads + kv_heads) * D, value_stride,
+                false,        *static_cast<float *>(params[8])};
+  if (value_stride < kv_heads * s.v_head_dim) return 1;
+  return is_half(dtypes[0]) ? paged_attention<half>(params, ndims, shapes, s)
+                            : paged_attention<float>(params, ndims, shapes, s);
 }
 
 // q [T, H, L], latent [T, L], cache [NB, L, bs], slot_mapping [T], block_tables [B, MB],
@@ -302,8 +309,8 @@ int MLAPagedAttention(int nparam, void **params, int *ndims, int64_t **shapes,
                       const char **dtypes, void *stream, void *extra) {
   if (nparam != 9) return 1;
   const int64_t L = shapes[0][2];
-  Shape s{shapes[0][0], shapes[0][1], 1,  L, shapes[8][2], shapes[2][2], shapes[4][0],
-          shapes[4][1], shapes[0][1] * L, L, true,         *static_cast<float *>(params[7])};
+  Shape s{shapes[0][0], shapes[0][1], 1,     L,    shapes[8][2], shapes[2][2], shapes[4][0],
+          shapes[4][1], shapes[0][1] * L, L, 0, true,         *static_cast<float *>(params[7])};
   auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
   if (is_half(dtypes[0]))
     return run(s, static_cast<half *>(params[0]), static_cast<half *>(params[1]),
