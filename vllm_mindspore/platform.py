@@ -89,6 +89,10 @@ def check_world_fits_devices(local_world_size: int, device: str, npus: int) -> N
             "(Ray, or --data-parallel-size-local with --headless secondaries).")
 
 
+# --quantization methods the worker implements (none yet; the W8A8 work adds its methods here).
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+
+
 def unsupported_features(vllm_config) -> list[str]:
     """What the configuration asks for that the plugin's worker cannot do, each with the flag
     that asked for it. Refused at start-up: served anyway, each would crash a step mid-serve or
@@ -104,7 +108,7 @@ def unsupported_features(vllm_config) -> list[str]:
             found.append(f"the {model_config.runner_type!r} runner (--runner/--convert: "
                          "embedding, classification, scoring, reward): only text generation "
                          "is implemented")
-        if model_config.quantization is not None:
+        if model_config.quantization not in (None, *SUPPORTED_QUANTIZATION):
             found.append(f"quantization {model_config.quantization!r} (--quantization or a "
                          "quantized checkpoint): use a float32/float16/bfloat16 checkpoint")
         if getattr(model_config, "enable_prompt_embeds", False):
