@@ -23,7 +23,7 @@ serve: install $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	$(VENV)/bin/vllm-mindspore serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 bench: install $(DEMO_MODEL)/config.json
 	$(PY) benchmarks/throughput.py --model $(DEMO_MODEL) --engines vllm-mindspore,hf --workloads offline --repeats 1

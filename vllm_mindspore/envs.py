@@ -103,6 +103,7 @@ INTERNAL_VARIABLES = (
     "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED",  # model_backends/mindformers.py
     "VLLM_MS_SCHEDULER_PARENT", "VLLM_MS_SCHEDULER_DEVICE",  # distributed/communication.py
     "VLLM_MS_RUN_SLOW",  # tests: also run the slow tests
+    "VLLM_MS_VENV",  # scripts/install.sh and the Makefile: where the environment lives
 )
 
 
