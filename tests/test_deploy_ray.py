@@ -9,7 +9,7 @@ written: env file, `scripts/ray_cluster.py head` on 127.0.0.1 with 2 NPU resourc
 `eval "$(... env)"` + `vllm-mindspore serve --tensor-parallel-size 2 --distributed-executor-backend
 ray` with the MindFormers backend, curl, `stop`; its tokens must equal the reference.
 
-Isolation, as tests/test_ray.py: loopback only, free ports for every Ray port, a token of this
+Isolation: loopback only (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, else Ray binds the routable address), free ports for every Ray port, a token of this
 cluster's own, the script's --state-dir in the test's folder, and Ray's processes (one session,
 started by the script) always killed at teardown. The script's checks run against the same cluster:
 a layout that does not fit, a changed environment, a second node with this hostname, pyACL missing on
@@ -169,8 +169,13 @@ def test_tp2_over_ray_matches_tp1(rehearsal, tp1_tokens, cluster, tmp_path):
                 if " ".join(proc.cmdline()).startswith("ray::RayWorkerProc"):
                     actors.append(proc)
         assert len(actors) == 2, "both ranks must be actors of the script's Ray cluster"
+        server_tree = {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
+        assert not server_tree & {p.pid for p in actors}, "actors must be the cluster's processes"
     finally:
         server.stop()
+    # Stopping the server frees the cluster: Ray ends the actors of the departed driver.
+    _, alive = psutil.wait_procs(actors, timeout=30)
+    assert not alive, f"Ray worker actors still running after the server stopped: {alive}"
     log = server.log_tail(100000)
     assert "Model backend: MindFormers" in log
     assert "tensor_parallel_size=2 (given explicitly) overrides parallel_config.model_parallel=1" in log

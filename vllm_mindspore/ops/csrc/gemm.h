@@ -54,29 +54,38 @@ void block_n(int rows, const float *a, int64_t lda, const W *panel, int64_t dept
 }
 
 // y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias)
-// `parallel`: split the panels over the kernel threads (off when the caller already runs one
-// matmul per thread).
+// Rows are taken kRowChunk at a time, each chunk against every panel, so a chunk of x stays in
+// the core's L2 while the weights stream past it (a prefill step's x, megabytes, would otherwise
+// be read from memory once per panel). The (chunk, panel) pairs are split over the kernel
+// threads; `parallel` off: the caller already runs one matmul per thread.
+constexpr int64_t kRowChunk = 16 * kRows;
+
 template <typename W>
 void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias, int64_t N,
             float *y, int64_t ldy, bool parallel = true) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel && panels > 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    const W *panel = packed + p * K * kPanel;
-    const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-    float tile[kRows * kPanel];  // the last panel's rows, when it is narrower than 32
-    for (int64_t i = 0; i < M; i += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - i));
-      float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
-      const int64_t ldc = columns == kPanel ? ldy : kPanel;
-      for (int64_t k0 = 0; k0 < K; k0 += kDepth)
-        block_n(rows, x + i * K + k0, K, panel + k0 * kPanel, std::min(kDepth, K - k0), c, ldc,
-                k0 > 0);
-      for (int r = 0; r < rows; ++r) {
-        float *out = y + (i + r) * ldy + p * kPanel;
-        if (c == tile) std::memcpy(out, tile + r * kPanel, columns * sizeof(float));
-        if (bias != nullptr)
-          for (int64_t j = 0; j < columns; ++j) out[j] += to_float(bias[p * kPanel + j]);
+  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static) \
+    if (parallel && chunks * panels > 1)
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    for (int64_t p = 0; p < panels; ++p) {
+      const W *panel = packed + p * K * kPanel;
+      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+      float tile[kRows * kPanel];  // the last panel's rows, when it is narrower than 32
+      const int64_t end = std::min(M, (chunk + 1) * kRowChunk);
+      for (int64_t i = chunk * kRowChunk; i < end; i += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, end - i));
+        float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
+        const int64_t ldc = columns == kPanel ? ldy : kPanel;
+        for (int64_t k0 = 0; k0 < K; k0 += kDepth)
+          block_n(rows, x + i * K + k0, K, panel + k0 * kPanel, std::min(kDepth, K - k0), c,
+                  ldc, k0 > 0);
+        for (int r = 0; r < rows; ++r) {
+          float *out = y + (i + r) * ldy + p * kPanel;
+          if (c == tile) std::memcpy(out, tile + r * kPanel, columns * sizeof(float));
+          if (bias != nullptr)
+            for (int64_t j = 0; j < columns; ++j) out[j] += to_float(bias[p * kPanel + j]);
+        }
       }
     }
   }
