@@ -114,3 +114,19 @@ def test_float16_compute_is_close_to_hf(make_llm, tiny_model_factory):
         top2 = ref_steps[0].topk(2)
         assert token == int(top2.indices[0]) or float(top2.values[0] - top2.values[1]) < 2e-2
         assert abs(output.outputs[0].logprobs[0][token].logprob - float(ref_steps[0][token])) < 3e-2
+
+
+def test_graph_calls_cover_each_step_with_bounded_padding():
+    """A step runs as consecutive graph calls (the greedy tests above go through split steps:
+    their 8 prompts together are more tokens than a graph size + MAX_PADDING)."""
+    from vllm_mindspore.worker.model_runner import GraphSizes
+
+    sizes = GraphSizes(max_tokens=2048, max_rows=8, static=True)
+    for n in range(1, 2049):
+        calls = sizes.calls(n)
+        assert sum(count for count, _ in calls) == n
+        assert all(padded in sizes.tokens and count <= padded for count, padded in calls)
+        assert all(count == padded for count, padded in calls[:-1])
+        assert calls[-1][1] - calls[-1][0] <= GraphSizes.MAX_PADDING
+    assert sizes.calls(136) == [(128, 128), (8, 8)]
+    assert GraphSizes(2048, 8, static=False).calls(136) == [(136, 136)]

@@ -53,7 +53,15 @@ def power_of_two_sizes(largest: int) -> list[int]:
 class GraphSizes:
     """The shapes the graphs are compiled for. Static (CPU): token counts and logits rows are
     padded up to the next of a few sizes, each a graph compiled at warm-up (a static-shape graph
-    runs 1.4-1.7x faster than a dynamic-shape one on CPU). Dynamic (Ascend): exact sizes."""
+    runs 1.4-1.7x faster than a dynamic-shape one on CPU). Dynamic (Ascend): exact sizes.
+
+    A static step whose padding would waste more than MAX_PADDING tokens runs as several graph
+    calls instead (`calls`): 136 tokens as 128 + 8 rather than 256. Each call writes its tokens'
+    keys and values to the cache before the next reads them, as consecutive prefill chunks do.
+    An extra call costs about one weight read, the compute of ~25 tokens of this project's
+    models on CPU, hence the bound."""
+
+    MAX_PADDING = 32
 
     def __init__(self, max_tokens: int, max_rows: int, static: bool):
         self.static = static
@@ -70,6 +78,17 @@ class GraphSizes:
     def padded_rows(self, n: int) -> int:
         return self._pad(self.rows, n) if self.static else n
 
+    def calls(self, n: int) -> list[tuple[int, int]]:
+        """(tokens, graph size) of each graph call of an n-token step, in order."""
+        if not self.static:
+            return [(n, n)]
+        calls = []
+        while self.padded_tokens(n) - n > self.MAX_PADDING:
+            size = self.tokens[bisect.bisect_right(self.tokens, n) - 1]
+            calls.append((size, size))
+            n -= size
+        return calls + [(n, self.padded_tokens(n))]
+
     @property
     def max_rows(self) -> int:
         return self.rows[-1]
@@ -81,21 +100,32 @@ class PromptRows(NamedTuple):
     completes: bool  # this step reaches the end of the prompt: return the logprobs now
 
 
-class StepInputs(NamedTuple):
-    """Host arrays of one step: T tokens (padded to a graph size), N rows of logits wanted."""
+class GraphCall(NamedTuple):
+    """One decoder graph call: `count` consecutive tokens of the step, padded to T."""
 
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
     attn_metadata: AttentionMetadata
     prefill_only: bool  # every request starts its prompt this step (no cached context)
-    num_scheduled: np.ndarray  # [R] tokens of each request this step
-    logits_index: np.ndarray  # [N]: last token of each request, then prompt-logprob tokens
-    prompt_rows: dict[str, PromptRows]  # requests scoring prompt tokens this step
+    count: int
 
     def graph_inputs(self) -> tuple:
         as_tensor = ms.Tensor.from_numpy
         return (as_tensor(self.input_ids), as_tensor(self.positions),
                 *self.attn_metadata.tensors(), self.prefill_only)
+
+
+class StepInputs(NamedTuple):
+    """Host arrays of one step: its graph calls (GraphSizes.calls), N rows of logits wanted."""
+
+    calls: list[GraphCall]
+    num_scheduled: np.ndarray  # [R] tokens of each request this step
+    logits_index: np.ndarray  # [N]: last token of each request, then prompt-logprob tokens
+    prompt_rows: dict[str, PromptRows]  # requests scoring prompt tokens this step
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(len(call.input_ids) for call in self.calls)
 
 
 class PendingStep(NamedTuple):
@@ -179,9 +209,9 @@ class MindSporeModelRunner:
         start = time.perf_counter()
         token_sizes = self.sizes.tokens if self.sizes.static else [4]
         for num_tokens in token_sizes:
-            self.model.compile(*self._dummy_inputs(num_tokens).graph_inputs())
+            self.model.compile(*self._dummy_call(num_tokens).graph_inputs())
         if not self.sizes.static:  # Ascend's graph for steps of first prefills only
-            self.model.compile(*self._dummy_inputs(4)._replace(prefill_only=True).graph_inputs())
+            self.model.compile(*self._dummy_call(4)._replace(prefill_only=True).graph_inputs())
         hidden = self.model_config.get_hidden_size()
         for num_rows in (self.sizes.rows if self.sizes.static else [2]):
             self.logits_head.compile(ms.Tensor(np.zeros((num_rows, hidden), np.float32),
@@ -194,7 +224,7 @@ class MindSporeModelRunner:
 
         if get_world_group().world_size > 1:
             torch.distributed.barrier(group=get_world_group().cpu_group)
-        self._logits(self._forward(self._dummy_inputs(token_sizes[0])), np.zeros(1, np.int64))
+        self._logits(self._forward([self._dummy_call(token_sizes[0])]), np.zeros(1, np.int64))
         self.num_graphs = self._compiled_graphs()
         logger.info("Compiled %d decoder graph(s) (tokens %s) and %d logits graph(s) in %.1f s: "
                     "%d graphs in all", len(token_sizes),
@@ -202,21 +232,23 @@ class MindSporeModelRunner:
                     len(self.sizes.rows) if self.sizes.static else 1, compiled, self.num_graphs)
         return time.perf_counter() - start
 
-    def _dummy_inputs(self, num_tokens: int) -> StepInputs:
-        """A step of padding tokens only (written nowhere, attending to nothing)."""
+    def _dummy_call(self, num_tokens: int) -> GraphCall:
+        """A call of padding tokens only (written nowhere, attending to nothing)."""
         empty = np.zeros(0, np.int32)
-        return self._step_inputs(empty, empty, empty, empty, num_tokens, {})
+        return self._graph_call(empty, empty, empty, empty, num_tokens)._replace(
+            count=num_tokens)
 
     def _compiled_graphs(self) -> int:
         return len(self.model.compile_cache) + len(self.logits_head.compile_cache)
 
-    def _forward(self, inputs: StepInputs) -> ms.Tensor:
-        return self.model(*inputs.graph_inputs())
+    def _forward(self, calls: list[GraphCall]) -> np.ndarray:
+        """The decoder's output [tokens, hidden] over the calls' tokens, in order."""
+        hidden = [self.model(*call.graph_inputs()).asnumpy()[:call.count] for call in calls]
+        return hidden[0] if len(hidden) == 1 else np.concatenate(hidden)
 
-    def _logits(self, hidden: ms.Tensor, rows: np.ndarray) -> torch.Tensor:
+    def _logits(self, hidden: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """Logits [len(rows), vocab] float32 of those rows of the decoder's output, the head
         run on at most `sizes.max_rows` rows at a time."""
-        hidden = hidden.asnumpy()
         chunks = []
         for start in range(0, len(rows), self.sizes.max_rows):
             chunk = rows[start:start + self.sizes.max_rows]
@@ -312,14 +344,27 @@ class MindSporeModelRunner:
                               int(num_scheduled[index]) > remaining)
             prompt_rows[req_id] = rows
             logits_index.append(query_start_loc[index] + np.arange(rows.count, dtype=np.int32))
-        num_tokens = self.sizes.padded_tokens(self._tokens_across_dp(len(input_ids)))
-        inputs = self._step_inputs(input_ids, positions, num_scheduled, num_computed, num_tokens,
-                                   prompt_rows)
-        return inputs._replace(logits_index=np.concatenate(logits_index).astype(np.int64))
+        if self.pad_across_dp:  # one call of the same size on every engine
+            num_tokens = len(input_ids)
+            sizes = [(num_tokens, self.sizes.padded_tokens(self._tokens_across_dp(num_tokens)))]
+        else:
+            sizes = self.sizes.calls(len(input_ids))
+        calls, start = [], 0
+        for count, padded in sizes:
+            end = start + count
+            # Each request's tokens inside [start, end), and before it (context for this call).
+            inside = (np.clip(query_start_loc[1:], start, end)
+                      - np.clip(query_start_loc[:-1], start, end))
+            before = np.clip(start - query_start_loc[:-1], 0, num_scheduled)
+            calls.append(self._graph_call(input_ids[start:end], positions[start:end], inside,
+                                          num_computed + before, padded))
+            start = end
+        return StepInputs(calls, num_scheduled, np.concatenate(logits_index).astype(np.int64),
+                          prompt_rows)
 
-    def _step_inputs(self, input_ids, positions, num_scheduled, num_computed, num_tokens,
-                     prompt_rows) -> StepInputs:
-        """The step's arrays, padded to `num_tokens` tokens (padding: token 0 at position 0,
+    def _graph_call(self, input_ids, positions, num_scheduled, num_computed,
+                    num_tokens) -> GraphCall:
+        """A call's arrays, padded to `num_tokens` tokens (padding: token 0 at position 0,
         written to no slot, in no request)."""
         pad = num_tokens - len(input_ids)
         block_table = self.input_batch.block_table[0].get_numpy_array()
@@ -330,8 +375,8 @@ class MindSporeModelRunner:
                                            self.block_size, num_tokens)
         prefill_only = (not self.sizes.static and not pad and len(num_computed) > 0
                         and not num_computed.any())
-        return StepInputs(np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad)), metadata,
-                          prefill_only, num_scheduled, np.zeros(0, np.int64), prompt_rows)
+        return GraphCall(np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad)), metadata,
+                         prefill_only, len(input_ids))
 
     def _tokens_across_dp(self, num_tokens: int) -> int:
         """With expert parallel across DP engines every engine steps with the same token count
@@ -348,7 +393,8 @@ class MindSporeModelRunner:
     def execute_dummy_batch(self) -> None:
         """Step of an idle DP engine while others run: the same collectives, no real token."""
         if self.pad_across_dp:
-            self._forward(self._dummy_inputs(self.sizes.padded_tokens(self._tokens_across_dp(0))))
+            self._forward([self._dummy_call(
+                self.sizes.padded_tokens(self._tokens_across_dp(0)))])
 
     # ---- step ----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output) -> ModelRunnerOutput | None:
@@ -358,11 +404,11 @@ class MindSporeModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         start = time.perf_counter()
         inputs = self._prepare_inputs(scheduler_output)
-        logits = self._logits(self._forward(inputs), inputs.logits_index)
+        logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
         if self._compiled_graphs() != self.num_graphs:
             self.num_graphs = self._compiled_graphs()
             logger.warning("Model graph recompiled (%d graphs now) for %d tokens",
-                           self.num_graphs, len(inputs.input_ids))
+                           self.num_graphs, inputs.padded_tokens)
         self.pending = PendingStep(scheduler_output, inputs, logits, start)
         return None
 
@@ -407,9 +453,9 @@ class MindSporeModelRunner:
             pooler_output=[],
         )
         if envs.VLLM_MS_LOG_STEPS:
-            logger.info("step: %d reqs, %d tokens (padded to %d), %d graph(s), %.1f ms", num_reqs,
-                        int(inputs.num_scheduled.sum()), len(inputs.input_ids), self.num_graphs,
-                        (time.perf_counter() - start) * 1e3)
+            logger.info("step: %d reqs, %d tokens (padded to %d, %d call(s)), %d graph(s), %.1f ms",
+                        num_reqs, int(inputs.num_scheduled.sum()), inputs.padded_tokens,
+                        len(inputs.calls), self.num_graphs, (time.perf_counter() - start) * 1e3)
         return output
 
     def _prompt_logprobs(self, rows: dict[str, PromptRows],
