@@ -207,7 +207,16 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
         }
         const float mr = m[r];
         float sum = 0.0f;
-        for (int64_t k = 0; k < bs; ++k) {
+        int64_t k = 0;
+        for (; k + kLanes <= bs; k += kLanes) {
+          lanes e = fast_exp(load_lanes(pr + k) - mr);
+          for (int i = 0; i < kLanes; ++i) {
+            if (k + i >= visible) e[i] = 0.0f;
+            sum += e[i];
+          }
+          store_lanes(pr + k, e);
+        }
+        for (; k < bs; ++k) {  // block sizes that are not a multiple of 16
           pr[k] = k < visible ? fast_exp(pr[k] - mr) : 0.0f;
           sum += pr[k];
         }
