@@ -89,8 +89,9 @@ def check_world_fits_devices(local_world_size: int, device: str, npus: int) -> N
             "(Ray, or --data-parallel-size-local with --headless secondaries).")
 
 
-# --quantization methods the worker implements (none yet; the W8A8 work adds its methods here).
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+# --quantization methods the worker implements: W8A8 checkpoints in msModelSlim's layout
+# (`ascend`) and MindSpore golden-stick's (`golden-stick`); docs/quantization.md.
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ("ascend", "golden-stick")
 
 
 def unsupported_features(vllm_config) -> list[str]:
@@ -110,7 +111,9 @@ def unsupported_features(vllm_config) -> list[str]:
                          "is implemented")
         if model_config.quantization not in (None, *SUPPORTED_QUANTIZATION):
             found.append(f"quantization {model_config.quantization!r} (--quantization or a "
-                         "quantized checkpoint): use a float32/float16/bfloat16 checkpoint")
+                         "quantized checkpoint): W8A8 checkpoints are served with --quantization "
+                         "ascend or golden-stick (docs/quantization.md); otherwise use a "
+                         "float32/float16/bfloat16 checkpoint")
         if getattr(model_config, "enable_prompt_embeds", False):
             found.append("prompt embeddings (--enable-prompt-embeds)")
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -145,6 +148,18 @@ def check_supported_features(vllm_config) -> None:
     found = unsupported_features(vllm_config)
     if found:
         raise NotImplementedError("vllm-mindspore does not support " + "; ".join(found) + ".")
+
+
+def check_quantization_flag(model_config) -> None:
+    """A W8A8 checkpoint (a description file beside its weights) served without --quantization
+    is refused here, naming the flag, instead of failing later on its int8 tensors."""
+    from model_backends.native.quant_config import unflagged_checkpoint_error
+
+    if model_config is None or model_config.quantization is not None:
+        return
+    error = unflagged_checkpoint_error(model_config.model)
+    if error:
+        raise ValueError(error)
 
 
 class MindSporePlatform(Platform):
@@ -236,8 +251,13 @@ class MindSporePlatform(Platform):
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
-        """With a MindFormers YAML, its parallel_config (and block_size) become the CLI's
+        """The W8A8 methods join vLLM's quantization registry (`--quantization ascend` /
+        `golden-stick`; vLLM calls this before it builds any model config, with or without a
+        parser). With a MindFormers YAML, its parallel_config (and block_size) become the CLI's
         defaults, so an explicit flag such as --tensor-parallel-size overrides model_parallel."""
+        from model_backends.native.quant_config import register_with_vllm
+
+        register_with_vllm()
         if parser is None or not envs.MINDFORMERS_MODEL_CONFIG:
             return
         from model_backends import MINDFORMERS, select_backend
@@ -299,6 +319,7 @@ class MindSporePlatform(Platform):
         if model_config is not None:
             check_dtype_for_device(DEVICE, str(model_config.dtype).removeprefix("torch."))
         check_supported_features(vllm_config)
+        check_quantization_flag(model_config)
         check_tokenizer_present(model_config)
         logger.info(
             "MindSpore platform on %s: worker=%s executor=%s tp=%d dp=%d block_size=%d",

@@ -79,6 +79,7 @@ class DeepseekV3Attention(nn.Cell):
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + config.v_head_dim), False,
             dtype)
+        self.kv_b_proj.quantizable = False  # absorbed into q and o after loading (float)
         self.o_proj = RowParallelLinear(total_heads * config.v_head_dim, hidden, bias, dtype)
         rope_parameters, scale = rope_and_softmax_scale(config)
         # rope_interleave (HF default, the official checkpoints' layout): GPT-J style pairs

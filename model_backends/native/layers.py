@@ -12,10 +12,12 @@ from typing import NamedTuple
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, mint, nn, ops
+from mindspore.common.initializer import initializer
 
 from vllm_mindspore.distributed.communication import sized_collective, tp_group
 from vllm_mindspore.ops.host import parameter, to_host
 from vllm_mindspore.ops.linear import pack_panels, packed_matmul
+from vllm_mindspore.ops.quant import QuantLinearMethod
 from vllm_mindspore.platform import ASCEND, CPU, kernel_device
 
 
@@ -127,8 +129,10 @@ def collect_shards(model: nn.Cell) -> dict[str, ShardSpec]:
 
 
 def _empty(shape, dtype) -> Parameter:
-    # Filled by the weight loader; zeros keep an unloaded tensor deterministic.
-    return Parameter(mint.zeros(shape, dtype=dtype), requires_grad=False)
+    # Filled by the weight loader; zeros keep an unloaded tensor deterministic. Initialised
+    # lazily: a weight the loader replaces (a W8A8 layer's int8 weight) never takes its float
+    # size in memory.
+    return Parameter(initializer("zeros", shape, dtype), requires_grad=False)
 
 
 class Linear(nn.Cell):
@@ -137,13 +141,21 @@ class Linear(nn.Cell):
 
     `weight` is loaded as the checkpoint stores it, [out, in]; `use_compute_layout` then hands
     it to the device's matmul (vllm_mindspore/ops/linear.py): packed for the C++ kernel on CPU,
-    unchanged for MatMul(transpose_b) on Ascend.
+    unchanged for MatMul(transpose_b) on Ascend. A linear a W8A8 checkpoint quantizes
+    (model_backends/native/quant.py) loads an int8 weight and its scales instead, and runs as
+    vllm_mindspore/ops/quant.py's `QuantLinearMethod`.
     """
+
+    quantizable = True  # False: kept in floating point whatever the checkpoint (see quant.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=ms.float32,
                  silu_and_mul: bool = False):
         super().__init__()
         self.out_features = out_features
+        self.dtype = dtype
+        self.quant = None  # a quant.LinearQuant when the checkpoint quantizes this layer
+        self.checkpoint_prefix = None  # its name, set for W8A8 checkpoints (error messages)
+        self.quant_method = None  # its device kernel, after loading
         self.weight = _empty((out_features, in_features), dtype)
         self.bias = _empty((out_features,), dtype) if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
@@ -152,6 +164,19 @@ class Linear(nn.Cell):
         self.shards: dict[str, ShardSpec] = {}
 
     def use_compute_layout(self, prefix: str) -> None:
+        if self.quant is not None:
+            if self.quant_method is None:
+                from model_backends.native import quant
+
+                arrays = quant.compute_arrays(self, self.fuses_bias)
+                self.quant_method = QuantLinearMethod(arrays, self.dtype, self.act is not None,
+                                                      prefix)
+                keep_bias = self.bias is not None and not self.fuses_bias
+                bias = self.bias
+                quant.drop_loaded(self)
+                if keep_bias:  # added after the all-reduce (RowParallelLinear)
+                    self.bias = bias
+            return
         if kernel_device() == ASCEND or self.packed is not None:
             return
         self.packed = packed_matmul(self.out_features, self.bias is not None and self.fuses_bias,
@@ -161,8 +186,17 @@ class Linear(nn.Cell):
 
     fuses_bias = True  # the bias is added by the matmul (RowParallelLinear adds it after reducing)
 
+    def quant_arrays(self):
+        """A quantized layer's loaded tensors as host arrays (vllm_mindspore.ops.quant.QuantArrays),
+        for a cell that stacks several (the MoE experts)."""
+        from model_backends.native import quant
+
+        return quant.compute_arrays(self, True)
+
     def project(self, x):
         """x @ weight.T, plus the bias when the layer fuses it, plus the activation."""
+        if self.quant_method is not None:
+            return self.quant_method(x)
         if self.packed is not None:
             if self.bias is not None and self.fuses_bias:
                 return self.packed(x, self.weight, self.bias)
@@ -179,7 +213,21 @@ class Linear(nn.Cell):
 def fuse_linears(linears: list[Linear], prefix: str, silu_and_mul: bool = False) -> Linear:
     """One Linear computing the loaded `linears` side by side (outputs concatenated in order):
     q|k|v and gate|up run as one matmul each; gate|up may apply silu(gate) * up in the same op.
-    Call before `use_compute_layout`."""
+    Call before `use_compute_layout`. Quantized linears fuse into a quantized one (all of them
+    with the same scheme, else an error naming both tensors)."""
+    if any(linear.quant is not None for linear in linears):
+        from model_backends.native import quant
+
+        first = linears[0]
+        fused = Linear(first.weight.shape[1], sum(l.weight.shape[0] for l in linears),
+                       first.bias is not None, first.dtype, silu_and_mul)
+        if linears[0].quant is None:  # the error names the float one second
+            linears = [next(l for l in linears if l.quant is not None)] + [
+                l for l in linears if l.quant is None]
+        quant.fuse(linears, fused)
+        quant.release(fused, "weight")  # the loaded tensors live in fused.quant_host
+        quant.release(fused, "bias")
+        return fused
     weights = [linear.weight for linear in linears]
     dtype = weights[0].dtype
     fused = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights),

@@ -17,6 +17,8 @@ from vllm.logger import init_logger
 
 from model_backends.native.layers import (ShardSpec, collect_shards, tp_rank_and_size,
                                           use_compute_layouts)
+from model_backends.native.quant import collect_tensor_specs, missing_tensors_error, prepare
+from model_backends.native.quant_config import QuantDescription
 
 logger = init_logger("vllm.vllm_mindspore.weights")
 
@@ -86,16 +88,24 @@ def _read(handle, name: str, shard: ShardSpec | None, model_dir: str) -> torch.T
 
 
 def load_checkpoint(cell: nn.Cell, model_dir: str,
-                    map_name: Callable[[str], str | None] = lambda name: name) -> None:
+                    map_name: Callable[[str], str | None] = lambda name: name,
+                    quantization: str | None = None) -> None:
     """Fill every parameter of `cell` from the checkpoint.
 
     `map_name` turns a checkpoint name into a parameter name, or None to skip the tensor
     (e.g. rotary caches, layers the model does not build). Tensor-parallel layers declare the
     slice each rank holds (`collect_shards`); only that slice is read. Missing, unexpected and
     wrongly-shaped tensors are errors that name the tensors involved.
+
+    `quantization` (vLLM's --quantization) names a W8A8 layout (`ascend`, `golden-stick`): the
+    linears its description file marks quantized load int8 weights and their scales
+    (model_backends/native/quant.py).
     """
+    if quantization:
+        prepare(cell, QuantDescription.load(model_dir, quantization), map_name)
     params = {name: p for name, p in cell.parameters_and_names() if not name.endswith("_cache")}
     shards = collect_shards(cell)
+    specs = collect_tensor_specs(cell)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in safetensors_files(model_dir):
@@ -109,6 +119,17 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
                 if name is None:
                     continue
                 param = params.get(name)
+                spec = specs.get(name)
+                if spec is not None:  # a tensor of a quantized layer
+                    try:
+                        tensor = _read(handle, ckpt_name, spec.shard, model_dir)
+                    except (SafetensorError, OSError) as error:
+                        raise _unreadable(path, error, ckpt_name) from error
+                    array = spec.convert(tensor, ckpt_name)
+                    if param is not None:
+                        param.set_data(ms.Tensor.from_numpy(array))
+                        loaded.add(name)
+                    continue
                 if param is None:
                     unexpected.append(ckpt_name)
                     continue
@@ -119,6 +140,9 @@ def load_checkpoint(cell: nn.Cell, model_dir: str,
                 _assign(param, tensor, ckpt_name, shards.get(name), model_dir)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
+    quant_error = missing_tensors_error(cell, missing)
+    if quant_error:
+        raise WeightLoadError(quant_error)
     if unexpected or missing:
         raise WeightLoadError(
             f"Weights in {model_dir!r} do not match the model built from its config.json: "
@@ -158,7 +182,10 @@ def _assign(param, tensor: torch.Tensor, ckpt_name: str, shard: ShardSpec | None
         raise WeightLoadError(
             f"Checkpoint tensor {ckpt_name!r} in {model_dir!r} has dtype "
             f"{str(tensor.dtype).removeprefix('torch.')}; vllm-mindspore reads float32, float16 "
-            "and bfloat16 checkpoints (quantized or integer weights are not supported).")
+            "and bfloat16 checkpoints (quantized or integer weights are not supported) except "
+            "for the tensors a W8A8 checkpoint's description file marks quantized, served with "
+            "--quantization ascend (quant_model_description.json) or --quantization "
+            "golden-stick (quantization_description.json).")
     tensor = tensor.to(_TORCH_DTYPE.get(param.dtype, torch.float32))
     if shard is not None and shard.size != param.shape[shard.dim]:
         padded = torch.zeros(tuple(param.shape), dtype=tensor.dtype)

@@ -34,6 +34,7 @@ from vllm_mindspore.distributed.communication import sized_collective
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter, to_host
 from vllm_mindspore.ops.linear import pack_panels
+from vllm_mindspore.ops.quant import QuantExperts
 from vllm_mindspore.platform import ASCEND, kernel_device
 
 
@@ -52,6 +53,7 @@ class MoEDispatch(nn.Cell):
         self.ep_size = ep_size
         self.w13 = None  # gate | up, from stack_experts
         self.w2 = None  # down
+        self.quant_experts = None  # W8A8 experts, from stack_experts
         if not self.grouped:
             self.experts_kernel = kernels.custom_op("MoeExperts", lambda x, *_: x,
                                                     lambda x, *_: x)
@@ -65,7 +67,13 @@ class MoEDispatch(nn.Cell):
     def stack_experts(self, experts, prefix: str) -> None:
         """Per-expert gate|up and down Linear weights ([out, in]) -> one stacked weight each:
         w13 [E, D, 2I] and w2 [E, I, D] for the grouped kernels (Ascend), or each expert's
-        packed panels (CPU)."""
+        packed panels (CPU). W8A8_DYNAMIC experts (int8 weights, per-channel scales) become a
+        `QuantExperts` cell (ops/quant.py)."""
+        if experts[0].down_proj.quant is not None:
+            self.quant_experts = QuantExperts([e.gate_up_proj.quant_arrays() for e in experts],
+                                              [e.down_proj.quant_arrays() for e in experts],
+                                              experts[0].down_proj.dtype, f"{prefix}.quant")
+            return
         dtype = experts[0].down_proj.weight.dtype
         layout = (lambda w: w.T) if self.grouped else pack_panels
         self.w13 = parameter(np.stack([layout(to_host(e.gate_up_proj.weight)) for e in experts]),
@@ -91,6 +99,9 @@ class MoEDispatch(nn.Cell):
         """Ids outside [0, num_experts) belong to other ranks and contribute nothing here."""
         if self.grouped:
             return self._grouped_kernels(hidden, topk_weights, topk_ids)
+        if self.quant_experts is not None:
+            return self.quant_experts.cpu_experts(hidden, topk_ids,
+                                                  topk_weights.astype(ms.float32))
         return self.experts_kernel(hidden, topk_ids, topk_weights.astype(ms.float32), self.w13,
                                    self.w2)
 
@@ -105,11 +116,19 @@ class MoEDispatch(nn.Cell):
         sorted_hidden, unsort_map, counts = ops.moe_init_routing_v2(
             hidden, topk_ids, 0, 0, num_experts + 1, 0, 2, False)
         counts = counts[:num_experts].astype(ms.int64)
-        gate_up = grouped_matmul_v4([sorted_hidden], [self.w13], group_list=counts, split_item=3,
-                                    group_type=0, group_list_type=1)[0]  # [T * K, 2I]
+        if self.quant_experts is not None:  # int8 weights, per-token quantized rows
+            gate_up = self.quant_experts.grouped_matmul(sorted_hidden, 1, counts)
+        else:
+            gate_up = grouped_matmul_v4([sorted_hidden], [self.w13], group_list=counts,
+                                        split_item=3, group_type=0,
+                                        group_list_type=1)[0]  # [T * K, 2I]
         gate, up = mint.split(gate_up, gate_up.shape[-1] // 2, -1)
-        out = grouped_matmul_v4([ops.silu(gate) * up], [self.w2], group_list=counts,
-                                split_item=3, group_type=0, group_list_type=1)[0]  # [T * K, D]
+        if self.quant_experts is not None:
+            out = self.quant_experts.grouped_matmul(ops.silu(gate) * up, 2, counts)
+        else:
+            out = grouped_matmul_v4([ops.silu(gate) * up], [self.w2], group_list=counts,
+                                    split_item=3, group_type=0,
+                                    group_list_type=1)[0]  # [T * K, D]
         # Rows past the local groups are not written by the grouped matmul: clear them.
         rows = ops.arange(0, out.shape[0], dtype=ms.int64).reshape(-1, 1)
         out = mint.where(rows < counts.sum(), out, mint.zeros_like(out))

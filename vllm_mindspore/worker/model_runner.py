@@ -186,7 +186,7 @@ class MindSporeModelRunner:
         with set_current_vllm_config(self.vllm_config):
             self.model = model_cls(self.model_config.hf_text_config, self.block_size, self.dtype)
             load_checkpoint(self.model, self.model_config.model,
-                            self.model.checkpoint_name_to_param)
+                            self.model.checkpoint_name_to_param, self.model_config.quantization)
             process_weights_after_loading(self.model)
             self.logits_head = self.model.logits_head()
         if not self.sizes.static:
