@@ -75,6 +75,36 @@ def step_inputs(prefill_only: bool):
             ms.Tensor(positions.astype(np.int32)), *metadata.tensors(), prefill_only)
 
 
+# W8A8 variants (`--quantization ascend`): the linears quantized as scripts/quantize_w8a8.py
+# quantizes a checkpoint; `mlp` is its --mlp (dynamic: MLPs and experts per-token, DynamicQuantExt
+# + QuantBatchMatmul / GroupedMatmulV4; static: QuantV2 + QuantBatchMatmul with quant_bias).
+W8A8 = {"llama-w8a8": ("llama", "static"), "deepseek-v3-w8a8": ("deepseek-v3", "dynamic")}
+
+
+def quantize_linears(model, mlp: str) -> None:
+    """Give the model's linears the W8A8 tensors (zeros, as before loading) the quantization
+    script would write for them."""
+    import os
+    import sys
+
+    import mindspore as ms
+
+    from model_backends.native.layers import Linear
+    from model_backends.native.quant import prepare
+    from model_backends.native.quant_config import ASCEND, QuantDescription
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    from quantize_w8a8 import scheme_of
+
+    schemes = {f"{name}.weight": scheme_of(f"{name}.weight", mlp)
+               for name, cell in model.cells_and_names()
+               if isinstance(cell, Linear) and cell.quantizable}
+    prepare(model, QuantDescription(ASCEND, "<test>", schemes, {}), lambda name: name)
+    for _, cell in model.cells_and_names():  # a unit activation scale (the zeros would give 1/0)
+        if getattr(cell, "input_scale", None) is not None:
+            cell.input_scale.set_data(ms.Tensor(np.ones(cell.input_scale.shape, np.float32)))
+
+
 def build_ascend_model(name: str, dtype, tp_size: int = 1, ep_size: int = 1):
     """The model `name` as an Ascend worker builds it (tensor/expert-parallel rank 0 of the
     given sizes), weights post-processed (fused, absorbed, stacked) and caches allocated."""
@@ -87,12 +117,15 @@ def build_ascend_model(name: str, dtype, tp_size: int = 1, ep_size: int = 1):
     from model_backends.native.weights import process_weights_after_loading
     from vllm_mindspore.platform import ASCEND, building_for
 
-    config_name, arch, fields = MODELS[name]
+    base, mlp = W8A8.get(name, (name, None))
+    config_name, arch, fields = MODELS[base]
     config = getattr(transformers, config_name)(**fields)
     model_cls = resolve_model_class([arch], NATIVE)
     with (set_current_vllm_config(VllmConfig()), building_for(ASCEND),
           building_with_layout(ParallelLayout(0, tp_size, 0, ep_size))):
         model = model_cls(config, BLOCK_SIZE, dtype)
+        if mlp is not None:
+            quantize_linears(model, mlp)
         process_weights_after_loading(model)
         model.allocate_kv_cache(2 * MAX_BLOCKS + 1)
         head = model.logits_head()
@@ -133,6 +166,11 @@ CASES = [(name, "bfloat16", 1, 1) for name in MODELS] + [
     ("deepseek-v3", "bfloat16", 2, 1),  # MLA heads split, latent cache replicated
     ("qwen3-moe", "bfloat16", 1, 2),  # EP: all-gather dispatch, reduce-scatter combine
     ("deepseek-v3", "bfloat16", 2, 4),  # DP x TP x EP (the user guide's DP4/TP4/EP4 layout)
+    # W8A8: static everywhere (QuantV2 + QuantBatchMatmul, quant_bias of row-parallel layers),
+    # float16; static attention with dynamic MLPs and experts (DynamicQuantExt, GroupedMatmulV4
+    # with int8 weights), bfloat16, the flagship's DP x TP x EP layout scaled down.
+    ("llama-w8a8", "float16", 2, 1),
+    ("deepseek-v3-w8a8", "bfloat16", 2, 4),
 ]
 
 

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
+from mindspore.ops.auto_generate import (DynamicQuantExt, QuantBatchMatmul, QuantV2,
+                                         grouped_matmul_v4)
 
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter
@@ -114,8 +116,6 @@ class QuantLinearMethod(nn.Cell):
 
     # ---- Ascend --------------------------------------------------------------------------------
     def _build_ascend(self, arrays, dtype, name):
-        from mindspore.ops.auto_generate import DynamicQuantExt, QuantBatchMatmul, QuantV2
-
         self.weight = parameter(arrays.weight, ms.int8, f"{name}.weight")  # [N, K]
         self.matmul = QuantBatchMatmul(transpose_x1=False, transpose_x2=True, dtype=dtype)
         if self.dynamic:
@@ -171,8 +171,6 @@ class QuantExperts(nn.Cell):
             self.s13 = parameter(np.stack([p.weight_scale for p in gate_up]), scale_dtype,
                                  f"{name}.s13")
             self.s2 = parameter(np.stack([p.weight_scale for p in down]), scale_dtype, f"{name}.s2")
-            from mindspore.ops.auto_generate import DynamicQuantExt
-
             self.quant = DynamicQuantExt()
             return
         self.w13 = parameter(np.stack([pack_int8(p.weight) for p in gate_up]), ms.int8,
@@ -193,8 +191,6 @@ class QuantExperts(nn.Cell):
 
     def grouped_matmul(self, x, which: int, counts):
         """Ascend: rows of x grouped by expert (counts) through w13 (which=1) or w2 (which=2)."""
-        from mindspore.ops.auto_generate import grouped_matmul_v4
-
         qx, token_scale = self.quant(x, None)
         weight, scale = (self.w13, self.s13) if which == 1 else (self.w2, self.s2)
         y = grouped_matmul_v4([qx], [weight], None, [scale], None, None, None, [token_scale],
