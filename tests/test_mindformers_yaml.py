@@ -59,13 +59,14 @@ def yaml_with(tmp_path, parallel: str = "", model_config: str = "") -> dict:
     return load_mindformers_config(write(tmp_path, "cfg.yaml", text or "{}\n"))
 
 
-def fake_vllm_config(tp=1, dp=1, pp=1, ep=False, block_size=None):
+def fake_vllm_config(tp=1, dp=1, pp=1, ep=False, block_size=None, quantization=None):
     parallel = SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp,
                                pipeline_parallel_size=pp, enable_expert_parallel=ep)
     # As vLLM's CacheConfig: an unset block size becomes 16 and counts as not user-specified.
     cache = SimpleNamespace(block_size=block_size or 16,
                             user_specified_block_size=block_size is not None)
-    return SimpleNamespace(parallel_config=parallel, cache_config=cache)
+    return SimpleNamespace(parallel_config=parallel, cache_config=cache,
+                           model_config=SimpleNamespace(quantization=quantization))
 
 
 # ---------------------------------------------------------------- YAML semantics
@@ -239,6 +240,32 @@ def test_invalid_parallel_combinations_rejected(tmp_path, parallel, message):
         parser_defaults(cfg)
 
 
+def test_yaml_w8a8_quantization_config_selects_golden_stick(tmp_path, caplog):
+    """MindFormers' W8A8 (ptq, int8 weights and activations) is served as --quantization
+    golden-stick: a parser default for serve; offline, LLM(...) must pass it (vLLM built its
+    quantization config before the platform sees the YAML); an explicit method wins."""
+    w8a8 = ("quantization_config:\n  quant_method: ptq\n  weight_dtype: int8\n"
+            "  activation_dtype: int8\n")
+    cfg = yaml_with(tmp_path, model_config=w8a8)
+    assert parser_defaults(cfg)["quantization"] == "golden-stick"
+    with pytest.raises(MindFormersConfigError, match="pass quantization='golden-stick'"):
+        apply_to_vllm_config(cfg, fake_vllm_config(), LOG)
+    apply_to_vllm_config(cfg, fake_vllm_config(quantization="golden-stick"), LOG)
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        apply_to_vllm_config(cfg, fake_vllm_config(quantization="ascend"), LOG,
+                             cli_defaults_applied=True)
+    assert "quantization=ascend (given explicitly) overrides" in caplog.text
+    assert "quantization" not in parser_defaults(yaml_with(tmp_path, model_config=""))
+
+
+def test_yaml_other_quantization_config_rejected(tmp_path):
+    cfg = yaml_with(tmp_path, model_config="quantization_config:\n  quant_method: ptq\n"
+                                           "  weight_dtype: int4\n  activation_dtype: int8\n")
+    with pytest.raises(MindFormersConfigError,
+                       match=r"quantization_config: .*'weight_dtype': 'int4'.*golden-stick"):
+        parser_defaults(cfg)
+
+
 def test_invalid_block_size_rejected(tmp_path):
     cfg = yaml_with(tmp_path, model_config="block_size: 0\n")
     with pytest.raises(MindFormersConfigError, match=r"model\.model_config\.block_size .* positive"):
@@ -266,6 +293,7 @@ def test_cli_overrides_yaml_through_vllm_parser(vllm_parser_factory):
     args = parser.parse_args([])  # YAML only
     assert (args.tensor_parallel_size, args.data_parallel_size, args.pipeline_parallel_size,
             args.enable_expert_parallel, args.block_size) == (16, 1, 1, False, 128)
+    assert args.quantization == "golden-stick"  # quantization_config: ptq, int8 / int8
 
     args = parser.parse_args(["--tensor-parallel-size", "8", "--block-size", "64"])
     assert (args.tensor_parallel_size, args.block_size) == (8, 64)
@@ -283,7 +311,7 @@ def test_dp_ep_yaml_through_vllm_parser(vllm_parser_factory):
 
 def test_apply_logs_cli_override_with_both_values(caplog):
     cfg = load_mindformers_config(TP16)
-    vllm_config = fake_vllm_config(tp=8, block_size=128)
+    vllm_config = fake_vllm_config(tp=8, block_size=128, quantization="golden-stick")
     with caplog.at_level(logging.INFO, logger=LOG.name):
         apply_to_vllm_config(cfg, vllm_config, LOG, cli_defaults_applied=True)
     assert "tensor_parallel_size=8 (given explicitly) overrides parallel_config.model_parallel=16" \
@@ -293,7 +321,7 @@ def test_apply_logs_cli_override_with_both_values(caplog):
 
 def test_apply_offline_fills_expert_parallel_and_block_size(caplog):
     cfg = load_mindformers_config(EP4TP4)
-    vllm_config = fake_vllm_config(tp=4, dp=4)
+    vllm_config = fake_vllm_config(tp=4, dp=4, quantization="golden-stick")
     with caplog.at_level(logging.INFO, logger=LOG.name):
         apply_to_vllm_config(cfg, vllm_config, LOG)
     assert vllm_config.parallel_config.enable_expert_parallel is True
@@ -311,7 +339,8 @@ def test_apply_offline_rejects_yaml_size_left_at_vllm_default():
 
 def test_apply_reports_expert_parallel_switched_off(caplog):
     cfg = load_mindformers_config(EP4TP4)
-    vllm_config = fake_vllm_config(tp=4, dp=4, ep=False, block_size=128)
+    vllm_config = fake_vllm_config(tp=4, dp=4, ep=False, block_size=128,
+                                   quantization="golden-stick")
     with caplog.at_level(logging.INFO, logger=LOG.name):
         apply_to_vllm_config(cfg, vllm_config, LOG, cli_defaults_applied=True)
     assert vllm_config.parallel_config.enable_expert_parallel is False
@@ -436,8 +465,10 @@ def test_seed_parallel_settings_and_world_sizes():
             ep4tp4.expert_parallel) == (4, 4, 1, 4)
     assert tp16.world_size == 16 and ep4tp4.world_size == 16
     # Seed 000's commands: -tp 16; and -tp 4 -dp 4 --enable-expert-parallel.
-    apply_to_vllm_config(load_mindformers_config(TP16), fake_vllm_config(tp=16), LOG)
-    apply_to_vllm_config(load_mindformers_config(EP4TP4), fake_vllm_config(tp=4, dp=4, ep=True), LOG)
+    apply_to_vllm_config(load_mindformers_config(TP16),
+                         fake_vllm_config(tp=16, quantization="golden-stick"), LOG)
+    apply_to_vllm_config(load_mindformers_config(EP4TP4),
+                         fake_vllm_config(tp=4, dp=4, ep=True, quantization="golden-stick"), LOG)
 
 
 def test_deepseek_yamls_differ_only_in_parallel_layout():

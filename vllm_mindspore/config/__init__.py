@@ -26,6 +26,7 @@ from vllm_mindspore.config.parallel import (
     parser_defaults,
     validate,
     yaml_block_size,
+    yaml_quantization,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "parser_defaults",
     "validate",
     "yaml_block_size",
+    "yaml_quantization",
 ]

@@ -94,6 +94,9 @@ def parser_defaults(yaml_cfg: dict) -> dict[str, Any]:
     block_size = yaml_block_size(yaml_cfg)
     if block_size is not None:
         defaults["block_size"] = block_size
+    quantization = yaml_quantization(yaml_cfg)
+    if quantization is not None:
+        defaults["quantization"] = quantization
     return defaults
 
 
@@ -144,6 +147,25 @@ def apply_to_vllm_config(yaml_cfg: dict, vllm_config: Any, log: logging.Logger,
              vllm_parallel.pipeline_parallel_size, expert_parallel_size(yaml_cfg, vllm_parallel))
 
     _apply_block_size(yaml_cfg, vllm_config.cache_config, log, source)
+    _check_quantization(yaml_cfg, vllm_config.model_config, log, source)
+
+
+def _check_quantization(yaml_cfg: dict, model_config: Any, log: logging.Logger,
+                        source: str) -> None:
+    """The YAML's quantization_config against vLLM's --quantization: `LLM(...)` cannot take it
+    from the YAML (vLLM built its quantization config already), so it must be passed."""
+    expected = yaml_quantization(yaml_cfg)
+    effective = getattr(model_config, "quantization", None)
+    if expected is None or effective == expected:
+        return
+    if effective is None:
+        raise MindFormersConfigError(
+            f"{source} sets model.model_config.quantization_config (W8A8), but vLLM was started "
+            f"without quantization: pass quantization={expected!r} (LLM(...) argument or "
+            f"--quantization {expected}), or set quantization_config: null in the YAML for a "
+            "float checkpoint.")
+    log.warning("quantization=%s (given explicitly) overrides the YAML's quantization_config "
+                "(%s) from %s.", effective, expected, source)
 
 
 def expert_parallel_size(yaml_cfg: dict, vllm_parallel_config: Any) -> int:
@@ -160,6 +182,27 @@ def yaml_block_size(yaml_cfg: dict) -> int | None:
     if value is None:
         return None
     return _positive_int(value, "model.model_config.block_size", _source(yaml_cfg))
+
+
+# MindFormers' post-training quantization with int8 weights and activations: the MindSpore-Lab
+# A8W8 checkpoints, whose description file is golden-stick's (docs/quantization.md).
+_YAML_W8A8 = {"quant_method": "ptq", "weight_dtype": "int8", "activation_dtype": "int8"}
+
+
+def yaml_quantization(yaml_cfg: dict) -> str | None:
+    """vLLM's --quantization for `model.model_config.quantization_config`: `golden-stick` for
+    MindFormers' W8A8 (ptq, int8 weights and activations), None when the YAML has none."""
+    section = _model_config(yaml_cfg).get("quantization_config")
+    if section is None:
+        return None
+    found = ({key: section.get(key) for key in _YAML_W8A8} if isinstance(section, dict)
+             else section)
+    if found != _YAML_W8A8:
+        raise MindFormersConfigError(
+            f"{_source(yaml_cfg)} sets model.model_config.quantization_config: {found!r}; "
+            f"vllm-mindspore serves MindFormers' W8A8 ({_YAML_W8A8}, served as --quantization "
+            "golden-stick) only. Set quantization_config: null for a float checkpoint.")
+    return "golden-stick"
 
 
 def _reconcile_expert_parallel(parallel: YamlParallelConfig, vllm_parallel: Any,
