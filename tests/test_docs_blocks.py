@@ -34,6 +34,7 @@ RUN_BY = {
     "demo-model": "test_docs_commands",
     "backend-models": "test_docs_commands",
     "build-dry-run": "test_docs_commands",
+    "quantize": "test_docs_commands",
     "serve": "test_deploy_ray",
     "curl-completions": "test_deploy_ray",
     "curl-chat": "test_deploy_ray",

@@ -1,7 +1,7 @@
 """The docs' cheap commands, run as written (blocks extracted from the Markdown by their
 `<!-- run: ID -->` markers): install check, the stack check, `vllm-mindspore models` with and without
-the MindFormers backend, the demo-model builder (its --help: the real build trains for ~90 s) and
-build_image.sh --dry-run. The serving blocks run in test_deploy_ray.py and
+the MindFormers backend, the demo-model builder (its --help: the real build trains for ~90 s),
+the W8A8 quantization script (on a tiny model) and build_image.sh --dry-run. The serving blocks run in test_deploy_ray.py and
 test_deploy_data_parallel.py."""
 
 import os
@@ -18,11 +18,16 @@ def test_install_is_complete_and_quick():
     assert "environment ready" in result.stdout + result.stderr
 
 
-def test_activate_and_check_the_stack():
-    block = doc_block("activate")
+def with_this_venv(block: str) -> str:
+    """The block with the documented venv path replaced by this one, if VLLM_MS_VENV moved it."""
     default = os.path.expanduser("~/.cache/vllm-mindspore/venv")
-    if os.path.realpath(VENV) != os.path.realpath(default):  # VLLM_MS_VENV moved it
-        block = replace_checked(block, "~/.cache/vllm-mindspore/venv", VENV)
+    if os.path.realpath(VENV) == os.path.realpath(default):
+        return block
+    return replace_checked(block, "~/.cache/vllm-mindspore/venv", VENV)
+
+
+def test_activate_and_check_the_stack():
+    block = with_this_venv(doc_block("activate"))
     result = run_block(block, ROOT, env={k: v for k, v in os.environ.items()}, timeout=120)
     for package in ("torch", "vllm", "mindspore", "numpy", "ray", "vllm-mindspore"):
         assert f"\n{package} " in "\n" + result.stdout, result.stdout
@@ -49,3 +54,12 @@ def test_demo_model_builder_takes_the_documented_arguments():
 def test_build_image_dry_run():
     out = run_block(doc_block("build-dry-run"), ROOT, timeout=60).stdout
     assert "docker build --file" in out and "BASE_IMAGE=quay.io/ascend/cann:" in out, out
+
+
+def test_quantize_script_writes_a_w8a8_checkpoint(tiny_model_factory, tmp_path):
+    model = tiny_model_factory("Qwen2ForCausalLM")
+    block = replace_checked(with_this_venv(doc_block("quantize")), "demo_model demo_model_w8a8",
+                            f"{model} {tmp_path}/w8a8")
+    out = run_block(block, ROOT, timeout=300).stdout
+    assert "(ascend layout)" in out and "W8A8_DYNAMIC tensors" in out, out
+    assert os.path.isfile(tmp_path / "w8a8" / "quant_model_description.json")
