@@ -2,12 +2,14 @@
 --data-parallel-size 2 --data-parallel-size-local 1 and a `--headless` secondary with
 --data-parallel-start-rank 1, on one machine. Requests reach both engines; tokens equal DP=1."""
 
-from conftest import PROMPTS, free_port, greedy_tokens
+from conftest import PROMPTS, free_port, greedy_tokens, slow
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
         str(16 << 20))
 
 
+@slow("about 3 min on 2 cores; every run covers DP=2 with --headless in "
+      "tests/test_expert_parallel.py and tests/test_deploy_data_parallel.py")
 def test_dp2_headless_matches_dp1(serve, tiny_model_factory):
     model = tiny_model_factory("Qwen2ForCausalLM")
     single = serve(model, *ARGS)

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from conftest import PROMPTS, ROOT, free_port, greedy_tokens
+from conftest import PROMPTS, ROOT, free_port, greedy_tokens, slow
 from test_docs_blocks import BlockServer, block_env, doc_block, make_workdir, replace_checked, run_block
 
 SCRIPT = "scripts/ray_cluster.py"
@@ -353,9 +353,7 @@ with ThreadPoolExecutor(len(prompts)) as pool:
 """
 
 
-@pytest.mark.skipif(os.environ.get("VLLM_MS_RUN_SLOW") != "1",
-                    reason="slow (about 2 min): a second Ray node in network namespaces; "
-                           "VLLM_MS_RUN_SLOW=1 runs it")
+@slow("about 2 min: a second Ray node in network namespaces")
 def test_tp2_over_two_ray_nodes_matches_tp1(rehearsal, tp1_tokens, two_nodes, tmp_path):
     nodes, env = two_nodes, rehearsal["env"]
     script_path = os.path.join(ROOT, SCRIPT)

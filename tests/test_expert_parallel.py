@@ -2,11 +2,9 @@
 (head + `--headless` secondary), `--enable-expert-parallel`, routed experts split between them,
 dispatched with AllGather + AllReduce over MindSpore's mccl. Tokens equal EP off."""
 
-import os
-
 import pytest
 
-from conftest import PROMPTS, Server, free_port, greedy_tokens
+from conftest import PROMPTS, Server, free_port, greedy_tokens, slow
 from test_moe_models import MODELS, finish_deepseek_checkpoint
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
@@ -30,9 +28,8 @@ def ep_off_tokens(deepseek, tmp_path_factory):
         server.stop()
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(
-    os.environ.get("VLLM_MS_RUN_SLOW") != "1",
-    reason="slow: 4 ranks compiling at once need 3-5 min on 2 cores; VLLM_MS_RUN_SLOW=1 runs it"))])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=slow(
+    "4 ranks compiling at once need 3-5 min on 2 cores"))])
 def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
     """tp=2 is the user guide's DP x TP x EP layout (DP4/TP4/EP4) scaled down: 4 ranks, each
     engine's TP ranks a MindSpore subgroup of the expert-parallel world."""
@@ -53,6 +50,7 @@ def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
         assert "step:" in log
 
 
+@slow("about 3 min on 2 cores, most of it the secondary waiting out vLLM's handshake")
 def test_mismatched_data_parallel_sizes_stop_both_with_a_clear_error(serve, deepseek):
     """The head says 2 engines, the secondary 4: nothing hangs, both exit, the head says why."""
     common = ("--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",

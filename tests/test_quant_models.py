@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, ROOT
+from conftest import PROMPTS, ROOT, slow
 from test_moe_models import DEEPSEEK, finish_deepseek_checkpoint
 from test_tensor_parallel import generate
 
@@ -225,9 +225,8 @@ def test_qwen2_msmodelslim_layout_served_matches_emulation(serve, quantized):
     assert "quantization=ascend" in server.log_tail(100000)
 
 
-SLOW = pytest.mark.skipif(os.environ.get("VLLM_MS_RUN_SLOW") != "1",
-                          reason="slow (~40 s each): the default run serves Qwen2 (ascend) and "
-                                 "DeepSeek (golden-stick, TP=1 and 2); VLLM_MS_RUN_SLOW=1 runs it")
+SLOW = slow("~40 s each; the default run serves Qwen2 (ascend) and DeepSeek (golden-stick, TP=1 "
+             "and 2)")
 
 
 @SLOW

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from conftest import PROMPTS, free_port
+from conftest import PROMPTS, free_port, slow
 from test_reliability_helpers import (LOOPBACK, bound_sockets, leftover_processes,
                                       port_listening, process_tree, wait_until_gone)
 
@@ -107,10 +107,8 @@ def test_lost_communication_peer_stops_the_server(serve, model):
     print(f"stopped {stopped:.1f} s after the scheduler was killed")
 
 
-@pytest.mark.skipif(os.environ.get("VLLM_MS_RUN_SLOW") != "1",
-                    reason="slow: another TP=2 start-up (~70 s on 2 cores); "
-                           "tests/test_tensor_parallel.py covers a killed worker in every run; "
-                           "VLLM_MS_RUN_SLOW=1 runs it")
+@slow("another TP=2 start-up (~70 s on 2 cores); tests/test_tensor_parallel.py covers a killed "
+      "worker in every run")
 def test_worker_killed_mid_step_stops_the_server(serve, model):
     server = serve(model, *ARGS)
     workers = [p for p in process_tree(server.proc.pid) if "Worker_TP1" in p.name()
