@@ -5,7 +5,7 @@ overridden by the CLI, and bad YAMLs stop the server before any worker starts.""
 import os
 
 import pytest
-from conftest import PROMPTS, ROOT, greedy_tokens
+from conftest import PROMPTS, ROOT, greedy_tokens, slow
 
 SMALL = os.path.join(ROOT, "yaml_configs", "small")
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(16 << 20))
@@ -35,6 +35,8 @@ def test_mindformers_backend_serves_native_tokens(serve, qwen2):
     assert "block_size=16" in log
 
 
+@slow("a server start; every run checks the override both ways: test_mindformers_yaml.py on the "
+      "config, test_deploy_ray.py on a TP=2 server")
 def test_cli_tensor_parallel_size_overrides_model_parallel(serve, qwen2):
     """predict_qwen2_tiny_tp2.yaml sets model_parallel: 2; --tensor-parallel-size 1 wins."""
     server = serve(qwen2, *ARGS, "--tensor-parallel-size", "1",
