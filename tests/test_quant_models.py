@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, ROOT, slow
+from conftest import PROMPTS, ROOT, HFReference, slow
 from test_moe_models import DEEPSEEK, finish_deepseek_checkpoint
 from test_tensor_parallel import generate
 
@@ -61,7 +61,7 @@ def quantized(tiny_model_factory, tmp_path_factory):
 
 
 # ---- the emulation ----------------------------------------------------------------------------------
-class Emulation:
+class Emulation(HFReference):
     """Greedy generation with HF transformers (float32, the float checkpoint) whose quantized
     linears and routed experts compute the W8A8 scheme with the numpy reference.
 
@@ -71,15 +71,12 @@ class Emulation:
     sums are added (static quantization is per element, so splitting it changes nothing)."""
 
     def __init__(self, float_dir: str, quant_dir: str, layout: str, tp: int = 1):
-        import torch
         from safetensors.numpy import load_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from vllm_mindspore.ops import quant_reference as ref
 
-        self.torch, self.ref = torch, ref
-        self.model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
-        self.tokenizer = AutoTokenizer.from_pretrained(float_dir)
+        super().__init__(float_dir)
+        self.ref = ref
         name = {"ascend": "quant_model_description.json",
                 "golden-stick": "quantization_description.json"}[layout]
         description = json.load(open(os.path.join(quant_dir, name)))
@@ -98,10 +95,10 @@ class Emulation:
                 experts.setdefault(head, {}).setdefault(int(index), {})[proj] = linear
             elif prefix in modules:
                 parent, _, attr = prefix.rpartition(".")
-                setattr(modules[parent], attr, _Module(linear, torch))
+                setattr(modules[parent], attr, _Module(linear, self.torch))
         for head, table in experts.items():
             if f"{head}.mlp.experts" in modules:
-                modules[f"{head}.mlp"].experts = _Experts(table, torch)
+                modules[f"{head}.mlp"].experts = _Experts(table, self.torch)
 
     def linear_fn(self, prefix, scheme, tensors):
         ref = self.ref
@@ -135,16 +132,6 @@ class Emulation:
             return y if bias is None else (y + bias).astype(np.float32)
 
         return linear
-
-    def greedy(self, prompt_ids, max_tokens):
-        torch = self.torch
-        with torch.no_grad():
-            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
-                                      min_new_tokens=max_tokens, do_sample=False,
-                                      output_logits=True, return_dict_in_generate=True,
-                                      pad_token_id=0)
-        steps = [torch.log_softmax(l[0].double(), -1) for l in out.logits]
-        return out.sequences[0][len(prompt_ids):].tolist(), steps
 
 
 class _Module:

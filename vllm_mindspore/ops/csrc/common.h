@@ -46,19 +46,25 @@ inline lanes load_lanes(const half *p) {
 }
 inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
+// 2^-k exp(x) for k = round(x / ln 2): Cephes' single-precision polynomial in r = x - k ln 2 (float or
+// lanes).
+template <typename T>
+inline T exp_polynomial(T x, T k) {
+  const T r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) with Cephes' single-precision polynomial (about 1 ulp) on x clamped to [-87, 88],
 // written so the compiler vectorises it.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float e = p * r * r + r + 1.0f;
+  float e = exp_polynomial(x, k);
   int32_t bits;
   std::memcpy(&bits, &e, sizeof(bits));
   bits += static_cast<int32_t>(k) << 23;
@@ -76,14 +82,7 @@ inline lanes fast_exp(lanes x) {
   const lanes y = x * 1.44269504088896341f + 0.5f;
   lanes k = __builtin_convertvector(__builtin_convertvector(y, int_lanes), lanes);
   k += __builtin_convertvector(k > y, lanes);  // truncation -> floor: -1 where k > y
-  const lanes r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  lanes p = lanes{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  lanes e = p * r * r + r + 1.0f;
+  lanes e = exp_polynomial(x, k);
   int_lanes bits;
   std::memcpy(&bits, &e, sizeof(bits));
   bits += __builtin_convertvector(k, int_lanes) << 23;

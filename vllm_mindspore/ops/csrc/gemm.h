@@ -112,4 +112,40 @@ void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {
   }
 }
 
+// The MoE steps shared by the float and W8A8 expert kernels. The copies c = t * K + k (token t,
+// choice k) routed to this rank's experts, grouped by expert (a counting sort): expert e's copies
+// are order[start[e] .. start[e + 1]). Ids outside [0, experts) belong to other ranks.
+inline void group_by_expert(const int32_t *ids, int64_t copies, int64_t experts,
+                            std::vector<int64_t> &start, std::vector<int64_t> &order) {
+  start.assign(experts + 1, 0);
+  order.resize(copies);
+  for (int64_t c = 0; c < copies; ++c)
+    if (ids[c] >= 0 && ids[c] < experts) ++start[ids[c] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t c = 0; c < copies; ++c)
+    if (ids[c] >= 0 && ids[c] < experts) order[fill[ids[c]]++] = c;
+}
+
+// Copy c = order[j] gets weights[c] * down[j] (its expert's output rows, [n, D]) ...
+inline void weigh_copies(const float *down, int64_t n, int64_t D, const int64_t *order,
+                         const float *weights, float *copies) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t c = order[j];
+    for (int64_t d = 0; d < D; ++d) copies[c * D + d] = weights[c] * down[j * D + d];
+  }
+}
+
+// ... and out [tokens, D] is the sum of each token's K copies, in k order.
+template <typename T>
+void sum_copies(const float *copies, int64_t tokens, int64_t K, int64_t D, T *out) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += copies[(t * K + k) * D + d];
+      from_float(sum, out + t * D + d);
+    }
+  }
+}
+
 }  // namespace vllm_ms

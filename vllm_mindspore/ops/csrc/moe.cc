@@ -29,14 +29,8 @@ int run(void **params, int64_t **shapes) {
   const int64_t w13_size = shapes[3][1] * D * kPanel, w2_size = shapes[4][1] * I * kPanel;
   if (shapes[3][2] != D || shapes[3][1] * kPanel < 2 * I || shapes[4][1] * kPanel < D) return 1;
 
-  // Copies (token t, choice k) of this rank's experts, grouped by expert.
-  std::vector<int64_t> start(experts + 1, 0), order(tokens * K);
-  for (int64_t c = 0; c < tokens * K; ++c)
-    if (ids[c] >= 0 && ids[c] < experts) ++start[ids[c] + 1];
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t c = 0; c < tokens * K; ++c)
-    if (ids[c] >= 0 && ids[c] < experts) order[fill[ids[c]]++] = c;
+  std::vector<int64_t> start, order;
+  group_by_expert(ids, tokens * K, experts, start, order);
 
   std::vector<float> x_buffer;
   const float *xf = as_float(x, tokens * D, x_buffer);
@@ -57,20 +51,9 @@ int run(void **params, int64_t **shapes) {
     silu_and_mul(gate_up.data(), n, I, act.data());
     matmul(act.data(), n, I, w2 + e * w2_size, static_cast<const T *>(nullptr), D, down.data(),
            D, false);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t c = order[start[e] + j];
-      const float weight = weights[c];
-      float *copy = copies.data() + c * D;
-      for (int64_t d = 0; d < D; ++d) copy[d] = weight * down[j * D + d];
-    }
+    weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
   }
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t d = 0; d < D; ++d) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < K; ++k) sum += copies[(t * K + k) * D + d];
-      from_float(sum, out + t * D + d);
-    }
-  }
+  sum_copies(copies.data(), tokens, K, D, out);
   return 0;
 }
 

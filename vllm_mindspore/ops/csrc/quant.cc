@@ -248,13 +248,8 @@ int moe_experts(void **params, int64_t **shapes) {
       shapes[6][1] * kQPanel < D || N13 % 2)
     return 1;
 
-  std::vector<int64_t> start(experts + 1, 0), order(tokens * K);
-  for (int64_t c = 0; c < tokens * K; ++c)
-    if (ids[c] >= 0 && ids[c] < experts) ++start[ids[c] + 1];
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t c = 0; c < tokens * K; ++c)
-    if (ids[c] >= 0 && ids[c] < experts) order[fill[ids[c]]++] = c;
+  std::vector<int64_t> start, order;
+  group_by_expert(ids, tokens * K, experts, start, order);
 
   // Every token quantized once (its copies share the row).
   std::vector<uint8_t> ux(tokens * D4 * 4);
@@ -299,20 +294,9 @@ int moe_experts(void **params, int64_t **shapes) {
     down.resize(n * D);
     int8_matmul(act_u.data(), n, I4, w2 + e * w2_size, corr2 + e * D, D, acc.data(), D, false);
     dequant_dynamic(acc.data(), n, D, s2 + e * D, act_scale.data(), nullptr, down.data());
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t c = order[start[e] + j];
-      const float weight = weights[c];
-      float *copy = copies.data() + c * D;
-      for (int64_t d = 0; d < D; ++d) copy[d] = weight * down[j * D + d];
-    }
+    weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
   }
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t d = 0; d < D; ++d) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < K; ++k) sum += copies[(t * K + k) * D + d];
-      from_float(sum, out + t * D + d);
-    }
-  }
+  sum_copies(copies.data(), tokens, K, D, out);
   return 0;
 }
 
