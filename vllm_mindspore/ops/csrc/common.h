@@ -14,6 +14,10 @@ namespace vllm_ms {
 // Threads each kernel call may use: the worker's share of the host's cores (SetNumThreads).
 inline int num_threads = 1;
 
+// Elementwise kernels (norms, rotary, silu * up) split their rows over the threads from this many
+// values on: a 64-token decode step's rows (32K values) are worth a fork, one token's are not.
+constexpr int64_t kParallelElements = 16384;
+
 using half = uint16_t;
 
 inline float to_float(float x) { return x; }

@@ -105,6 +105,7 @@ const float *as_float(const T *x, int64_t n, std::vector<float> &buffer) {
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I]
 template <typename T>
 void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * I >= kParallelElements)
   for (int64_t m = 0; m < M; ++m) {
     const float *gate = y + m * 2 * I, *up = gate + I;
     for (int64_t j = 0; j < I; ++j)

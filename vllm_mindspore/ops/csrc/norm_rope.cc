@@ -19,7 +19,8 @@ using namespace vllm_ms;
 template <typename T>
 void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,
               int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, T *y, T *sum) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 64)
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (rows * size >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     thread_local std::vector<float> buffer;
     buffer.resize(size);
@@ -48,7 +49,8 @@ void rotary(const T *x, int64_t x_stride, const int32_t *positions, const float 
             int64_t tokens, int64_t heads, int64_t D, int64_t rotary, int64_t max_position,
             bool neox, T *y) {
   const int64_t half_rotary = rotary / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens > 64)
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (tokens * heads * rotary >= kParallelElements)
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
     const float *cos = cos_sin + position * rotary, *sin = cos + half_rotary;

@@ -66,89 +66,157 @@ void write_cache(const Shape &s, const T *key, const T *value, T *key_cache, T *
 
 // Register-blocked inner loops: R rows (query heads) against one block, 16 keys or value
 // channels at a time held in vector registers (GCC vector extensions: zmm with AVX-512, ymm
-// pairs with AVX2), so each key/value row is loaded once for all R rows.
+// pairs with AVX2), so each key/value row is loaded once for all R rows. Each loop keeps at
+// least eight independent accumulators, so the FMAs pipeline instead of waiting on each other.
 constexpr int kMaxRows = 8;
 
-// s[r][k] = q[r] . key k of the block, for the block's bs keys (stored transposed: kt[d][k]).
+// s[r][k] = q[r] . key k of the block (row stride lds), for the block's bs keys (stored
+// transposed: kt[d][k]). Even and odd d accumulate separately.
 template <int R>
 void block_scores(const float *__restrict q, const float *__restrict kt, int64_t D, int64_t bs,
-                  float *__restrict s) {
+                  float *__restrict s, int64_t lds) {
   int64_t c = 0;
   for (; c + kLanes <= bs; c += kLanes) {
-    lanes acc[R] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const lanes kd = load_lanes(kt + d * bs + c);
-      for (int r = 0; r < R; ++r) acc[r] += q[r * D + d] * kd;
+    lanes even[R] = {}, odd[R] = {};
+    int64_t d = 0;
+    for (; d + 1 < D; d += 2) {
+      const lanes k0 = load_lanes(kt + d * bs + c), k1 = load_lanes(kt + (d + 1) * bs + c);
+      for (int r = 0; r < R; ++r) {
+        even[r] += q[r * D + d] * k0;
+        odd[r] += q[r * D + d + 1] * k1;
+      }
     }
-    for (int r = 0; r < R; ++r) store_lanes(s + r * bs + c, acc[r]);
+    if (d < D) {
+      const lanes k0 = load_lanes(kt + d * bs + c);
+      for (int r = 0; r < R; ++r) even[r] += q[r * D + d] * k0;
+    }
+    for (int r = 0; r < R; ++r) store_lanes(s + r * lds + c, even[r] + odd[r]);
   }
   for (; c < bs; ++c) {  // block sizes that are not a multiple of 16
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
       for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * kt[d * bs + c];
-      s[r * bs + c] = acc;
+      s[r * lds + c] = acc;
     }
   }
 }
 
-// out[r] += sum over the first `keys` keys k of p[r][k] * v[k] (v: [bs][Dv]).
-template <int R>
-void block_values(const float *__restrict p, const float *__restrict v, int64_t keys,
-                  int64_t bs, int64_t Dv, float *__restrict out) {
-  int64_t c = 0;
-  for (; c + kLanes <= Dv; c += kLanes) {
-    lanes acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = load_lanes(out + r * Dv + c);
+// out[r] += sum over the first `keys` keys k of p[r][k] * v[k] (p row stride ldp, v: [keys][Dv]),
+// C vectors of channels at a time.
+template <int R, int C>
+int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const float *__restrict v,
+                            int64_t keys, int64_t Dv, float *__restrict out, int64_t c) {
+  for (; c + C * kLanes <= Dv; c += C * kLanes) {
+    lanes acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) acc[r][j] = load_lanes(out + r * Dv + c + j * kLanes);
     for (int64_t k = 0; k < keys; ++k) {
-      const lanes vk = load_lanes(v + k * Dv + c);
-      for (int r = 0; r < R; ++r) acc[r] += p[r * bs + k] * vk;
+      lanes vk[C];
+      for (int j = 0; j < C; ++j) vk[j] = load_lanes(v + k * Dv + c + j * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float pk = p[r * ldp + k];
+        for (int j = 0; j < C; ++j) acc[r][j] += pk * vk[j];
+      }
     }
-    for (int r = 0; r < R; ++r) store_lanes(out + r * Dv + c, acc[r]);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) store_lanes(out + r * Dv + c + j * kLanes, acc[r][j]);
   }
+  return c;
+}
+
+template <int R>
+void block_values(const float *p, int64_t ldp, const float *v, int64_t keys, int64_t Dv,
+                  float *out) {
+  constexpr int C = R <= 4 ? 4 : 2;  // R * C accumulators: 16 at most
+  int64_t c = block_values_chunks<R, C>(p, ldp, v, keys, Dv, out, 0);
+  c = block_values_chunks<R, 1>(p, ldp, v, keys, Dv, out, c);
   for (; c < Dv; ++c)
     for (int r = 0; r < R; ++r)
-      for (int64_t k = 0; k < keys; ++k) out[r * Dv + c] += p[r * bs + k] * v[k * Dv + c];
+      for (int64_t k = 0; k < keys; ++k) out[r * Dv + c] += p[r * ldp + k] * v[k * Dv + c];
 }
 
 template <int R = kMaxRows>
-void block_scores_n(int rows, const float *q, const float *kt, int64_t D, int64_t bs, float *s) {
+void block_scores_n(int rows, const float *q, const float *kt, int64_t D, int64_t bs, float *s,
+                    int64_t lds) {
   if constexpr (R > 1) {
-    if (rows < R) return block_scores_n<R - 1>(rows, q, kt, D, bs, s);
+    if (rows < R) return block_scores_n<R - 1>(rows, q, kt, D, bs, s, lds);
   }
-  block_scores<R>(q, kt, D, bs, s);
+  block_scores<R>(q, kt, D, bs, s, lds);
 }
 
 template <int R = kMaxRows>
-void block_values_n(int rows, const float *p, const float *v, int64_t keys, int64_t bs,
+void block_values_n(int rows, const float *p, int64_t ldp, const float *v, int64_t keys,
                     int64_t Dv, float *out) {
   if constexpr (R > 1) {
-    if (rows < R) return block_values_n<R - 1>(rows, p, v, keys, bs, Dv, out);
+    if (rows < R) return block_values_n<R - 1>(rows, p, ldp, v, keys, Dv, out);
   }
-  block_values<R>(p, v, keys, bs, Dv, out);
+  block_values<R>(p, ldp, v, keys, Dv, out);
 }
 
 // Blocks are scattered in memory, beyond the hardware prefetcher's reach: ask for the next
-// block's lines while the current one is computed.
+// block's lines (into L2: asking for L1 evicted lines still in use and measured slower) while
+// the current one is computed.
 inline void prefetch(const void *start, int64_t bytes) {
   const char *p = static_cast<const char *>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
+inline float horizontal_max(lanes v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float horizontal_sum(lanes v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// p[0:n] = exp(p - max p[0:n]), p[n:width] = 0; returns the sum of p.
+inline float softmax_numerators(float *p, int64_t n, int64_t width) {
+  lanes most = lanes{} - std::numeric_limits<float>::infinity();
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const lanes x = load_lanes(p + k);
+    most = x > most ? x : most;
+  }
+  float m = horizontal_max(most);
+  for (int64_t t = k; t < n; ++t) m = std::max(m, p[t]);
+  lanes sum{};
+  for (k = 0; k + kLanes <= n; k += kLanes) {
+    const lanes e = fast_exp(load_lanes(p + k) - m);
+    store_lanes(p + k, e);
+    sum += e;
+  }
+  float total = horizontal_sum(sum);
+  for (; k < n; ++k) {
+    p[k] = fast_exp(p[k] - m);
+    total += p[k];
+  }
+  std::fill(p + n, p + width, 0.0f);
+  return total;
+}
+
+// One item in two passes over its blocks: every score first (p [rows, keys], keys the item's
+// blocks' slots), then an exact softmax per row, then the values. Each block is read once per
+// pass and the softmax runs over whole rows of vectors (a per-block online softmax spent more
+// time rescaling than the 16-key dot products it wrapped).
 template <typename T>
 void attend(const Shape &s, const Item &item, const T *query, const T *key_cache,
             const T *value_cache, const int32_t *block_table, T *out) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
   const int64_t heads = item.h1 - item.h0, rows = heads * (item.q1 - item.q0);
-  thread_local std::vector<float> q_buf, acc_buf, m_buf, l_buf, k_buf, v_buf, p_buf;
+  const int64_t visible_max = item.context_start + item.q1;  // keys seen by the last query
+  const int64_t num_blocks = (visible_max + bs - 1) / bs, width = num_blocks * bs;
+  thread_local std::vector<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;
   q_buf.resize(rows * D);
   acc_buf.assign(rows * Dv, 0.0f);
-  m_buf.assign(rows, -std::numeric_limits<float>::infinity());
-  l_buf.assign(rows, 0.0f);
+  l_buf.resize(rows);
   k_buf.resize(D * bs);
   v_buf.resize(bs * Dv);
-  p_buf.resize(rows * bs);
-  float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict m = m_buf.data();
-  float *__restrict l = l_buf.data(), *__restrict p = p_buf.data();
+  p_buf.resize(rows * width);
+  float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
   // Row r = (query i - q0) * heads + head: rows of one query are adjacent.
   for (int64_t i = item.q0; i < item.q1; ++i) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -157,78 +225,58 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
       for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
     }
   }
-  const int64_t visible_max = item.context_start + item.q1;  // keys seen by the last query
-  const int64_t num_blocks = (visible_max + bs - 1) / bs;
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t block = block_table[j];
-    const T *kt = key_cache + (block * s.num_kv_heads + item.kv_head) * D * bs;
-    if (j + 1 < num_blocks) {
-      const int64_t next = block_table[j + 1] * s.num_kv_heads + item.kv_head;
-      prefetch(key_cache + next * D * bs, D * bs * sizeof(T));
-      if (!s.latent) prefetch(value_cache + next * bs * Dv, bs * Dv * sizeof(T));
-    }
-    const float *kf;
+  auto key_block = [&](int64_t j) {
+    return key_cache + (block_table[j] * s.num_kv_heads + item.kv_head) * D * bs;
+  };
+  auto value_block = [&](int64_t j) {
+    return value_cache + (block_table[j] * s.num_kv_heads + item.kv_head) * bs * Dv;
+  };
+  auto as_float = [](const T *block, int64_t n, std::vector<float> &buffer) -> const float * {
     if constexpr (std::is_same_v<T, float>) {
-      kf = kt;
+      return block;
     } else {
-      load(kt, k_buf.data(), D * bs);
-      kf = k_buf.data();
+      load(block, buffer.data(), n);
+      return buffer.data();
     }
+  };
+  // Queries before position j * bs see nothing of block j: rows before this one skip it.
+  auto first_row = [&](int64_t j) {
+    return (std::max(item.q0, j * bs - item.context_start) - item.q0) * heads;
+  };
+  auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
+
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    if (j + 1 < num_blocks) prefetch(key_block(j + 1), D * bs * sizeof(T));
+    const float *kf = as_float(key_block(j), D * bs, k_buf);
+    for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      block_scores_n(n, q + r0 * D, kf, D, bs, p + r0 * width + j * bs, width);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) l_buf[r] = softmax_numerators(p + r * width, visible(r), width);
+  for (int64_t j = 0; j < num_blocks; ++j) {
     const float *vf;
     if (s.latent) {  // values: the block's first Dv channels, transposed to [bs, Dv]
+      if (j + 1 < num_blocks) prefetch(key_block(j + 1), Dv * bs * sizeof(T));
+      const float *kf = as_float(key_block(j), D * bs, k_buf);
       for (int64_t k = 0; k < bs; ++k)
         for (int64_t d = 0; d < Dv; ++d) v_buf[k * Dv + d] = kf[d * bs + k];
       vf = v_buf.data();
-    } else if constexpr (std::is_same_v<T, float>) {
-      vf = value_cache + (block * s.num_kv_heads + item.kv_head) * bs * Dv;
     } else {
-      load(value_cache + (block * s.num_kv_heads + item.kv_head) * bs * Dv, v_buf.data(),
-           bs * Dv);
-      vf = v_buf.data();
+      if (j + 1 < num_blocks) prefetch(value_block(j + 1), bs * Dv * sizeof(T));
+      vf = as_float(value_block(j), bs * Dv, v_buf);
     }
-    // Queries before position j * bs see nothing of this block.
-    const int64_t first_query = std::max(item.q0, j * bs - item.context_start);
-    for (int64_t r0 = (first_query - item.q0) * heads; r0 < rows; r0 += kMaxRows) {
+    for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
       const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-      block_scores_n(n, q + r0 * D, kf, D, bs, p + r0 * bs);
-      int64_t keys = 0;  // the most keys any of these rows sees in this block
-      for (int64_t r = r0; r < r0 + n; ++r) {
-        const int64_t i = item.q0 + r / heads;
-        const int64_t visible = std::min<int64_t>(bs, item.context_start + i + 1 - j * bs);
-        keys = std::max(keys, visible);
-        float *pr = p + r * bs;
-        float block_max = pr[0];
-        for (int64_t k = 1; k < visible; ++k) block_max = std::max(block_max, pr[k]);
-        if (block_max > m[r]) {
-          const float correction = fast_exp(m[r] - block_max);  // exp(-inf) -> ~0
-          l[r] *= correction;
-          for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= correction;
-          m[r] = block_max;
-        }
-        const float mr = m[r];
-        float sum = 0.0f;
-        int64_t k = 0;
-        for (; k + kLanes <= bs; k += kLanes) {
-          lanes e = fast_exp(load_lanes(pr + k) - mr);
-          for (int i = 0; i < kLanes; ++i) {
-            if (k + i >= visible) e[i] = 0.0f;
-            sum += e[i];
-          }
-          store_lanes(pr + k, e);
-        }
-        for (; k < bs; ++k) {  // block sizes that are not a multiple of 16
-          pr[k] = k < visible ? fast_exp(pr[k] - mr) : 0.0f;
-          sum += pr[k];
-        }
-        l[r] += sum;
-      }
-      block_values_n(n, p + r0 * bs, vf, keys, bs, Dv, acc + r0 * Dv);
+      // The last of these rows sees the most keys of this block.
+      const int64_t keys = std::min<int64_t>(bs, visible(r0 + n - 1) - j * bs);
+      block_values_n(n, p + r0 * width + j * bs, width, vf, keys, Dv, acc + r0 * Dv);
     }
   }
   for (int64_t i = item.q0; i < item.q1; ++i) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t r = (i - item.q0) * heads + h;
-      const float inv = 1.0f / l[r];
+      const float inv = 1.0f / l_buf[r];
       T *o = out + ((item.first_token + i) * s.num_heads + item.h0 + h) * Dv;
       for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
     }
