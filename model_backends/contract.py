@@ -68,7 +68,8 @@ class ModelBackend(Protocol):
 
     def forward(self, step: StepTensors) -> "ms.Tensor":
         """Run the decoder: writes this call's keys and values to the cache and returns the
-        last hidden states [T, hidden_size], before the final norm (`logits` applies it)."""
+        hidden states [T, hidden_size] that `logits` takes (native: before the final norm,
+        which `logits` applies; a backend may apply it here instead)."""
 
     def compile_logits(self, num_rows: int) -> None:
         """Compile the logits graph for `num_rows` rows (any row count under dynamic shapes)."""
