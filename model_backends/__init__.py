@@ -7,11 +7,13 @@ Backends:
               (and fills gaps in) config.json. Without the mindformers package installed, the
               architecture is built from this project's native implementation.
 
-`MODEL_REGISTRY` maps (backend, HF architecture) to the implementing class, named by import path
-so listing what is supported imports no MindSpore.
+`MODEL_REGISTRY` maps (backend, HF architecture) to the `ModelBackend` class that builds the model
+(`contract.py`) and the model class it runs, both named by import path so listing what is
+supported imports no MindSpore. `build_backend` is what a worker calls.
 """
 
 import importlib
+import time
 from typing import NamedTuple
 
 from vllm_mindspore import envs
@@ -28,11 +30,21 @@ _NATIVE_MODELS = {
     "DeepseekV3ForCausalLM": "model_backends.native.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
-MODEL_REGISTRY: dict[tuple[str, str], str] = {
-    **{(NATIVE, arch): target for arch, target in _NATIVE_MODELS.items()},
+_NATIVE_BACKEND = "model_backends.native.backend:NativeBackend"
+
+
+class ModelEntry(NamedTuple):
+    backend: str  # "module:Class" of the ModelBackend that builds and runs the model
+    model: str  # "module:Class" of the model class it runs
+
+
+MODEL_REGISTRY: dict[tuple[str, str], ModelEntry] = {
+    **{(NATIVE, arch): ModelEntry(_NATIVE_BACKEND, model)
+       for arch, model in _NATIVE_MODELS.items()},
     # No mindformers package on the supported stack (see PLATFORM_FACTS): the YAML-described model
     # is built from the native implementation of the same architecture.
-    **{(MINDFORMERS, arch): target for arch, target in _NATIVE_MODELS.items()},
+    **{(MINDFORMERS, arch): ModelEntry(_NATIVE_BACKEND, model)
+       for arch, model in _NATIVE_MODELS.items()},
 }
 
 
@@ -66,21 +78,53 @@ def supported_architectures(backend: str) -> list[str]:
     return sorted(arch for b, arch in MODEL_REGISTRY if b == backend)
 
 
-def resolve_model_class(architectures: list[str], backend: str):
-    """First architecture of config.json's `architectures` that `backend` implements."""
+def import_target(target: str):
+    """The object a registry path "module:name" names."""
+    module_name, name = target.split(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def resolve_entry(architectures: list[str], backend: str) -> ModelEntry:
+    """The registry entry of the first architecture of config.json's `architectures` that
+    `backend` implements."""
     for arch in architectures:
-        target = MODEL_REGISTRY.get((backend, arch))
-        if target is not None:
-            module_name, class_name = target.split(":")
-            return getattr(importlib.import_module(module_name), class_name)
+        entry = MODEL_REGISTRY.get((backend, arch))
+        if entry is not None:
+            return entry
     raise UnsupportedModelError(
         f"Model architecture(s) {architectures} are not supported by the {backend} backend of "
         f"vllm-mindspore. Supported: {', '.join(supported_architectures(backend))}.")
 
 
+def resolve_model_class(architectures: list[str], backend: str):
+    """The model class `backend` runs for config.json's `architectures`."""
+    return import_target(resolve_entry(architectures, backend).model)
+
+
+def build_backend(vllm_config, block_size: int, dtype, static_shapes: bool):
+    """The model of `vllm_config` behind the backend vLLM_MODEL_BACKEND selects, built with its
+    weights loaded: a `contract.ModelBackend` (arguments: its `build`'s)."""
+    from vllm.logger import init_logger
+
+    choice = select_backend()
+    model_config = vllm_config.model_config
+    entry = resolve_entry(list(getattr(model_config.hf_config, "architectures", None) or []),
+                          choice.name)
+    start = time.perf_counter()
+    backend = import_target(entry.backend).build(entry.model, vllm_config, block_size, dtype,
+                                                 static_shapes)
+    backend.load_weights(model_config.model, model_config.quantization)
+    init_logger("vllm.vllm_mindspore.model_backends").info(
+        "Built %s with %s (%s backend selected, %s) and loaded its weights in %.2f s",
+        backend.implementation, type(backend).__name__, choice.name, dtype,
+        time.perf_counter() - start)
+    return backend
+
+
 def describe_registry() -> str:
     """The supported (backend, architecture) pairs as a table, for `vllm-mindspore models`."""
-    lines = [f"{'backend':<13}architecture -> implementation"]
-    for (backend, arch), target in sorted(MODEL_REGISTRY.items()):
-        lines.append(f"{backend:<13}{arch} -> {target.replace(':', '.')}")
+    lines = [f"{'backend':<13}architecture -> implementation (built by)"]
+    for (backend, arch), entry in sorted(MODEL_REGISTRY.items()):
+        lines.append(f"{backend:<13}{arch} -> {entry.model.replace(':', '.')} "
+                     f"({entry.backend.rsplit(':', 1)[1]})")
     return "\n".join(lines)

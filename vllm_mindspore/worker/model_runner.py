@@ -6,10 +6,11 @@ the host); sampling, penalties, logits processors, grammars and logprobs are vLL
 follows vLLM 0.33's two-phase contract: `execute_model` runs the model and keeps the logits,
 `sample_tokens(grammar_output)` applies the structured-output bitmask and samples.
 
-The model runs as two MindSpore graphs: the decoder over the step's tokens -> hidden states, and
-the logits head (final norm + LM head) over the rows that are sampled. On CPU both are compiled
-for a fixed set of sizes (`GraphSizes`: steps are padded to the next one) during warm-up, so
-no step compiles; on Ascend they are compiled once with dynamic shapes.
+The model is a `ModelBackend` (model_backends/contract.py) and runs as two MindSpore graphs: the
+decoder over the step's tokens (`StepTensors`) -> hidden states, and the logits head (final
+norm + LM head) over the rows that are sampled. On CPU both are compiled for a fixed set of sizes
+(`GraphSizes`: steps are padded to the next one) during warm-up, so no step compiles; on Ascend
+they are compiled once with dynamic shapes.
 """
 
 import bisect
@@ -20,7 +21,6 @@ from typing import NamedTuple
 import mindspore as ms
 import numpy as np
 import torch
-from vllm.config import set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingType
 from vllm.utils.math_utils import cdiv
@@ -30,8 +30,8 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-from model_backends import resolve_model_class, select_backend
-from model_backends.native.weights import load_checkpoint, process_weights_after_loading
+from model_backends import build_backend
+from model_backends.contract import ModelBackend, StepTensors
 from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
@@ -109,10 +109,10 @@ class GraphCall(NamedTuple):
     prefill_only: bool  # every request starts its prompt this step (no cached context)
     count: int
 
-    def graph_inputs(self) -> tuple:
+    def step_tensors(self) -> StepTensors:
         as_tensor = ms.Tensor.from_numpy
-        return (as_tensor(self.input_ids), as_tensor(self.positions),
-                *self.attn_metadata.tensors(), self.prefill_only)
+        return StepTensors(as_tensor(self.input_ids), as_tensor(self.positions),
+                           *self.attn_metadata.tensors(), self.prefill_only)
 
 
 class StepInputs(NamedTuple):
@@ -147,8 +147,7 @@ class MindSporeModelRunner:
         self.block_size = self.cache_config.block_size
         self.dtype = MS_DTYPES[self.model_config.dtype]
         self.device = torch.device("cpu")
-        self.model = None
-        self.logits_head = None
+        self.model: ModelBackend | None = None
         self.num_graphs = 0  # compiled at warm-up; a step that compiles another is logged
         self.requests: dict[str, CachedRequestState] = {}
         # req_id -> number of prompt logprobs requested (popped once the prompt is done)
@@ -177,24 +176,8 @@ class MindSporeModelRunner:
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> None:
-        hf_config = self.model_config.hf_config
-        backend = select_backend()
-        model_cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []),
-                                        backend.name)
-        start = time.perf_counter()
-        # vLLM's rope tables and the parallel layout (TP/EP ranks) read the current config.
-        with set_current_vllm_config(self.vllm_config):
-            self.model = model_cls(self.model_config.hf_text_config, self.block_size, self.dtype)
-            load_checkpoint(self.model, self.model_config.model,
-                            self.model.checkpoint_name_to_param, self.model_config.quantization)
-            process_weights_after_loading(self.model)
-            self.logits_head = self.model.logits_head()
-        if not self.sizes.static:
-            self.model.set_inputs(*self.model.dynamic_inputs())
-            self.logits_head.set_inputs(ms.Tensor(shape=[None, self.model_config.get_hidden_size()],
-                                                  dtype=self.dtype))
-        logger.info("Built %s (%s backend, %s) and loaded its weights in %.2f s",
-                    model_cls.__name__, backend.name, self.dtype, time.perf_counter() - start)
+        self.model = build_backend(self.vllm_config, self.block_size, self.dtype,
+                                   static_shapes=self.sizes.static)
 
     def get_kv_cache_spec(self):
         return self.model.kv_cache_spec(self.block_size, self.model_config.dtype)
@@ -209,13 +192,11 @@ class MindSporeModelRunner:
         start = time.perf_counter()
         token_sizes = self.sizes.tokens if self.sizes.static else [4]
         for num_tokens in token_sizes:
-            self.model.compile(*self._dummy_call(num_tokens).graph_inputs())
+            self.model.compile_step(self._dummy_call(num_tokens).step_tensors())
         if not self.sizes.static:  # Ascend's graph for steps of first prefills only
-            self.model.compile(*self._dummy_call(4)._replace(prefill_only=True).graph_inputs())
-        hidden = self.model_config.get_hidden_size()
+            self.model.compile_step(self._dummy_call(4)._replace(prefill_only=True).step_tensors())
         for num_rows in (self.sizes.rows if self.sizes.static else [2]):
-            self.logits_head.compile(ms.Tensor(np.zeros((num_rows, hidden), np.float32),
-                                               self.dtype))
+            self.model.compile_logits(num_rows)
         compiled = time.perf_counter() - start
         # Ranks compile at their own pace; MindSpore's collectives time out long before a slow
         # peer's compile ends, so every rank waits here (vLLM's gloo world group) before the
@@ -225,7 +206,7 @@ class MindSporeModelRunner:
         if get_world_group().world_size > 1:
             torch.distributed.barrier(group=get_world_group().cpu_group)
         self._logits(self._forward([self._dummy_call(token_sizes[0])]), np.zeros(1, np.int64))
-        self.num_graphs = self._compiled_graphs()
+        self.num_graphs = self.model.num_compiled_graphs()
         logger.info("Compiled %d decoder graph(s) (tokens %s) and %d logits graph(s) in %.1f s: "
                     "%d graphs in all", len(token_sizes),
                     token_sizes if self.sizes.static else "dynamic",
@@ -238,12 +219,10 @@ class MindSporeModelRunner:
         return self._graph_call(empty, empty, empty, empty, num_tokens)._replace(
             count=num_tokens)
 
-    def _compiled_graphs(self) -> int:
-        return len(self.model.compile_cache) + len(self.logits_head.compile_cache)
-
     def _forward(self, calls: list[GraphCall]) -> np.ndarray:
         """The decoder's output [tokens, hidden] over the calls' tokens, in order."""
-        hidden = [self.model(*call.graph_inputs()).asnumpy()[:call.count] for call in calls]
+        hidden = [self.model.forward(call.step_tensors()).asnumpy()[:call.count]
+                  for call in calls]
         return hidden[0] if len(hidden) == 1 else np.concatenate(hidden)
 
     def _logits(self, hidden: np.ndarray, rows: np.ndarray) -> torch.Tensor:
@@ -255,7 +234,7 @@ class MindSporeModelRunner:
             padded = np.zeros((self.sizes.padded_rows(len(chunk)), hidden.shape[1]),
                               hidden.dtype)
             padded[:len(chunk)] = hidden[chunk]
-            logits = self.logits_head(ms.Tensor.from_numpy(padded)).asnumpy()
+            logits = self.model.logits(ms.Tensor.from_numpy(padded)).asnumpy()
             chunks.append(torch.from_numpy(logits[:len(chunk)]))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -405,8 +384,8 @@ class MindSporeModelRunner:
         start = time.perf_counter()
         inputs = self._prepare_inputs(scheduler_output)
         logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
-        if self._compiled_graphs() != self.num_graphs:
-            self.num_graphs = self._compiled_graphs()
+        if self.model.num_compiled_graphs() != self.num_graphs:
+            self.num_graphs = self.model.num_compiled_graphs()
             logger.warning("Model graph recompiled (%d graphs now) for %d tokens",
                            self.num_graphs, inputs.padded_tokens)
         self.pending = PendingStep(scheduler_output, inputs, logits, start)

@@ -166,8 +166,7 @@ class MindSporeWorker(WorkerBase):
 
     def weight_bytes(self) -> int:
         """Bytes of model weights resident on this rank (KV cache excluded)."""
-        return sum(p.nbytes for name, p in self.model_runner.model.parameters_and_names()
-                   if not name.endswith("_cache"))
+        return self.model_runner.model.weight_bytes()
 
     def shutdown(self) -> None:
         shutdown_communication()

@@ -1,0 +1,116 @@
+"""The model contract (model_backends/contract.py): what the runner may ask of a model backend,
+checked on the native backend built as a worker builds it, and run against HF transformers."""
+
+import inspect
+
+import pytest
+from conftest import HFReference
+
+from model_backends import MODEL_REGISTRY, NATIVE, import_target
+from model_backends.contract import ModelBackend, StepTensors
+
+BLOCK_SIZE = 16
+PROMPTS = [[5, 17, 300, 42, 9, 120, 77], [1, 2, 3, 4, 200]]  # two requests, one graph call
+
+
+@pytest.mark.parametrize("arch", sorted(arch for backend, arch in MODEL_REGISTRY
+                                        if backend == NATIVE))
+def test_step_tensors_are_the_native_graph_inputs_in_order(arch):
+    """The native backend passes StepTensors positionally; Ascend's kernels read the lengths
+    by graph-input name, so names and order must both be construct's."""
+    model_cls = import_target(MODEL_REGISTRY[(NATIVE, arch)].model)
+    arguments = list(inspect.signature(model_cls.construct).parameters)[1:]  # without self
+    assert arguments == list(StepTensors._fields)
+
+
+@pytest.fixture
+def graph_mode():
+    """The worker's execution mode (graph), restored after the test."""
+    import mindspore as ms
+
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield
+    ms.set_context(mode=previous)
+
+
+def step(token_ids: list[list[int]], num_computed: list[int], block_tables, num_tokens: int):
+    """One graph call: each request's new tokens after its `num_computed` cached ones."""
+    import mindspore as ms
+    import numpy as np
+
+    from vllm_mindspore.ops import AttentionMetadata
+
+    num_scheduled = np.array([len(ids) for ids in token_ids], np.int32)
+    positions = np.concatenate([np.arange(c, c + len(ids), dtype=np.int32)
+                                for ids, c in zip(token_ids, num_computed)])
+    metadata = AttentionMetadata.build(num_scheduled, np.array(num_computed, np.int32),
+                                       positions, block_tables, BLOCK_SIZE, num_tokens)
+    pad = (0, num_tokens - len(positions))  # padding: token 0 at position 0, written nowhere
+    return StepTensors(ms.Tensor(np.pad(np.concatenate(token_ids).astype(np.int32), pad)),
+                       ms.Tensor(np.pad(positions, pad)), *metadata.tensors(), False)
+
+
+def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model_factory):
+    """Built through build_backend as the runner builds it (static shapes, CPU): a prefill of
+    two requests then a decode step reading their cached keys and values give HF's logprobs,
+    and the graphs compiled up front are the ones the steps run."""
+    import mindspore as ms
+    import numpy as np
+    import torch
+    from vllm.config import ModelConfig, VllmConfig
+
+    from model_backends import build_backend
+
+    for name in ("vLLM_MODEL_BACKEND", "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND",
+                 "MINDFORMERS_MODEL_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    model_dir = tiny_model_factory("Qwen3ForCausalLM")
+    vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32",
+                                                      max_model_len=64))
+    backend = build_backend(vllm_config, BLOCK_SIZE, ms.float32, static_shapes=True)
+    assert isinstance(backend, ModelBackend)
+    assert (backend.name, backend.implementation) == (
+        NATIVE, "model_backends.native.qwen3.Qwen3ForCausalLM")
+    hf_config = vllm_config.model_config.hf_text_config
+    assert backend.hidden_size == hf_config.hidden_size
+
+    specs = backend.kv_cache_spec(BLOCK_SIZE, torch.float32)
+    assert list(specs) == [f"model.layers.{i}.self_attn.attn"
+                           for i in range(hf_config.num_hidden_layers)]
+    weights = backend.weight_bytes()
+    backend.allocate_kv_cache(num_blocks=4)
+    assert backend.weight_bytes() == weights > 0  # the caches are not weights
+
+    block_tables = np.array([[0, 1], [2, 3]], np.int32)
+    prefill = step(PROMPTS, [0, 0], block_tables, num_tokens=16)
+    decode_ids = [[11], [400]]
+    decode = step(decode_ids, [len(p) for p in PROMPTS], block_tables, num_tokens=2)
+    for tensors in (prefill, decode):
+        backend.compile_step(tensors)
+    rows = 16
+    backend.compile_logits(rows)
+    compiled = backend.num_compiled_graphs()
+    assert compiled == 3
+
+    def logprobs(tensors: StepTensors, count: int):
+        hidden = backend.forward(tensors)
+        assert tuple(hidden.shape) == (len(tensors.input_ids), backend.hidden_size)
+        padded = np.zeros((rows, backend.hidden_size), np.float32)
+        padded[:count] = hidden.asnumpy()[:count]
+        logits = backend.logits(ms.Tensor(padded)).asnumpy()[:count]
+        assert logits.dtype == np.float32
+        return torch.log_softmax(torch.from_numpy(logits).double(), -1)
+
+    ours_prefill = logprobs(prefill, sum(len(p) for p in PROMPTS))
+    ours_decode = logprobs(decode, len(decode_ids))
+    assert backend.num_compiled_graphs() == compiled  # no step compiled another graph
+
+    reference = HFReference(model_dir)
+    start = 0
+    for i, prompt in enumerate(PROMPTS):
+        full = reference.prompt_logprobs(prompt + decode_ids[i])
+        torch.testing.assert_close(ours_prefill[start:start + len(prompt)], full[:len(prompt)],
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours_decode[i], full[len(prompt)], atol=1e-4, rtol=0)
+        start += len(prompt)
