@@ -9,10 +9,14 @@ SERVE_ARGS ?= --max-model-len 2048
 
 export VLLM_MS_VENV := $(VENV)
 
-.PHONY: install serve test bench demo-model
+.PHONY: install install-mindformers serve test bench demo-model
 
 install:
 	@bash scripts/install.sh
+
+# The optional MindSpore Transformers package (vLLM_MODEL_BACKEND=MindFormers runs its model classes).
+install-mindformers:
+	@bash scripts/install.sh --with-mindformers
 
 $(DEMO_MODEL)/config.json: | install
 	$(PY) scripts/make_demo_model.py $(DEMO_MODEL)

@@ -4,13 +4,24 @@
 #
 #   VLLM_MS_VENV   where the environment lives (default: ~/.cache/vllm-mindspore/venv, shared by checkouts)
 #   PYTHON         interpreter used to create it (default: python3.11, else python3)
+#
+#   --with-mindformers   also install the optional MindSpore Transformers package (make install-mindformers)
 set -euo pipefail
+
+WITH_MINDFORMERS=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-mindformers) WITH_MINDFORMERS=1 ;;
+        *) echo "usage: scripts/install.sh [--with-mindformers]" >&2; exit 2 ;;
+    esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_MS_VENV:-$HOME/.cache/vllm-mindspore/venv}"
 PY_BOOT="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
-# TORCH_VERSION, VLLM_VERSION, MINDSPORE_VERSION: one source of truth, shared with the Dockerfile.
+# TORCH_VERSION, VLLM_VERSION, MINDSPORE_VERSION (and the optional MINDFORMERS_VERSION): one source
+# of truth, shared with the Dockerfile.
 . "$ROOT/scripts/versions.env"
 
 log() { printf '[install] %s\n' "$*" >&2; }
@@ -70,5 +81,17 @@ PYEOF
 then
     log "installing vllm-mindspore (editable) from $ROOT"
     "${PIP[@]}" -q --no-deps --no-build-isolation -e "$ROOT"
+fi
+# 5. Optional: mindformers, without its declared dependencies: it pins transformers 4.x (vLLM needs
+# 5.x; mindformers' inference path does not import it) and training-only packages, whose imports
+# are stubbed (vllm_mindspore/patches/mindformers.py). `deprecated` is imported for real.
+if [ "$WITH_MINDFORMERS" = 1 ]; then
+    if ! have mindformers "$MINDFORMERS_VERSION"; then
+        log "installing mindformers $MINDFORMERS_VERSION (--no-deps)"
+        "${PIP[@]}" --no-deps "mindformers==$MINDFORMERS_VERSION"
+    fi
+    if ! "$PY" -c 'import deprecated' 2>/dev/null; then
+        "${PIP[@]}" "deprecated>=1.2.0"
+    fi
 fi
 log "environment ready: $VENV"

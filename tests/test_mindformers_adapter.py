@@ -1,0 +1,190 @@
+"""MindFormersBackend on CPU: mindformers' own mcore classes (InferenceQwen3ForCausalLM,
+InferenceQwen2ForCausalLM) run this project's steps and give HF transformers' logits and greedy
+tokens on the same weights (float32).
+
+The steps are built as the model runner builds them (AttentionMetadata.build, padded to a
+compiled token count): several requests of different lengths prefilled together, one of them
+in two chunks, a request whose first block is a prefix-cache hit, then decodes of all of them.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from conftest import HFReference, assert_matches_hf, needs_mindformers
+
+pytestmark = needs_mindformers()
+
+BLOCK_SIZE = 16
+ROWS, MAX_BLOCKS = 4, 8  # the block table's shape (the runner's request capacity and length)
+GRAPH_TOKENS = (8, 32)  # the padded token counts compiled, as the runner's GraphSizes
+DECODES = 4
+LOGPROB_TOL = 1e-4  # float32 against HF's float32
+
+MODELS = {
+    "Qwen3ForCausalLM": "mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM",
+    # Qwen2: q/k/v bias and no q/k norm; tied embeddings and head_dim != hidden / heads.
+    "Qwen2ForCausalLM": "mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM",
+}
+OVERRIDES = {"Qwen2ForCausalLM": dict(tie_word_embeddings=True, head_dim=24)}
+
+
+class Step(NamedTuple):
+    """The fields of the model-backend contract's StepTensors, in its order."""
+
+    input_ids: object
+    positions: object
+    slot_mapping: object
+    block_tables: object
+    batch_valid_length: object
+    q_seq_lens: object
+    prefill_only: bool
+
+
+class Request:
+    def __init__(self, prompt: list[int], blocks: list[int], computed: int = 0):
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.blocks = blocks
+        self.computed = computed  # tokens already in the cache (a prefix hit counts)
+        self.generated: list[int] = []
+        self.logprobs: list[np.ndarray] = []  # full-vocabulary, one per generated token
+
+
+def vllm_config(model_dir: str):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model_dir, dtype="float32", max_model_len=MAX_BLOCKS * BLOCK_SIZE,
+                      block_size=BLOCK_SIZE).create_engine_config()
+
+
+def make_step(scheduled: list[tuple[Request, int]], num_tokens: int) -> Step:
+    import mindspore as ms
+
+    from vllm_mindspore.ops import AttentionMetadata
+
+    block_tables = np.zeros((ROWS, MAX_BLOCKS), np.int32)
+    ids, positions = [], []
+    for row, (request, count) in enumerate(scheduled):
+        block_tables[row, :len(request.blocks)] = request.blocks
+        ids += request.tokens[request.computed:request.computed + count]
+        positions += range(request.computed, request.computed + count)
+    metadata = AttentionMetadata.build(
+        np.array([count for _, count in scheduled], np.int32),
+        np.array([request.computed for request, _ in scheduled], np.int32),
+        np.array(positions, np.int32), block_tables, BLOCK_SIZE, num_tokens)
+    padded = np.zeros((2, num_tokens), np.int32)
+    padded[0, :len(ids)], padded[1, :len(positions)] = ids, positions
+    prefill_only = all(request.computed == 0 for request, _ in scheduled)
+    return Step(ms.Tensor(padded[0]), ms.Tensor(padded[1]), *metadata.tensors(), prefill_only)
+
+
+def run_step(backend, scheduled: list[tuple[Request, int]]) -> None:
+    """One step: every request that reaches the end of its known tokens samples greedily."""
+    import torch
+
+    num_tokens = next(size for size in GRAPH_TOKENS if size >= sum(c for _, c in scheduled))
+    hidden = backend.forward(make_step(scheduled, num_tokens)).asnumpy()
+    ends, samplers = 0, []
+    for request, count in scheduled:
+        ends += count
+        request.computed += count
+        if request.computed == len(request.tokens):
+            samplers.append((request, ends - 1))
+    import mindspore as ms
+
+    rows = np.zeros((8, hidden.shape[1]), hidden.dtype)  # a compiled logits row count
+    rows[:len(samplers)] = hidden[[index for _, index in samplers]]
+    logits = backend.logits(ms.Tensor(rows)).asnumpy()
+    for row, (request, _) in enumerate(samplers):
+        logprobs = torch.log_softmax(torch.from_numpy(logits[row]).double(), -1).numpy()
+        request.generated.append(int(logprobs.argmax()))
+        request.tokens.append(request.generated[-1])
+        request.logprobs.append(logprobs)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request, tiny_model_factory):
+    """(architecture, model dir, backend, requests) after the scenario of the module docstring."""
+    import mindspore as ms
+
+    from model_backends.mindformers.backend import MindFormersBackend
+
+    arch = request.param
+    model_dir = tiny_model_factory(arch, **OVERRIDES.get(arch, {}))
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    backend = MindFormersBackend.build(vllm_config(model_dir), BLOCK_SIZE, ms.float32,
+                                       static_shapes=True)
+    backend.allocate_kv_cache(num_blocks=8)
+    for size in GRAPH_TOKENS:
+        backend.compile_step(make_step([], size))
+    backend.compile_logits(8)
+    compiled = backend.num_compiled_graphs()
+
+    rng = np.random.default_rng(0)
+    prompt = lambda n: rng.integers(3, 512, n).tolist()  # noqa: E731
+    short, long_ = Request(prompt(5), [0]), Request(prompt(20), [1, 2])
+    chunked = Request(prompt(23), [3, 4])
+    # Shares long_'s first block (16 tokens): only its last 6 prompt tokens are computed.
+    prefix_hit = Request(long_.tokens[:16] + prompt(6), [1, 5], computed=16)
+    run_step(backend, [(short, 5), (long_, 20), (chunked, 7)])
+    run_step(backend, [(short, 1), (long_, 1), (chunked, 16), (prefix_hit, 6)])
+    requests = [short, long_, chunked, prefix_hit]
+    for _ in range(DECODES):
+        run_step(backend, [(r, 1) for r in requests])
+    return arch, model_dir, backend, requests, compiled
+
+
+def test_the_mindformers_class_runs(served):
+    arch, _, backend, _, compiled = served
+    assert backend.name == "MindFormers"
+    assert backend.implementation == MODELS[arch]
+    # Every step ran on the graphs compiled up front: 2 token counts + 1 logits row count.
+    assert compiled == len(GRAPH_TOKENS) + 1 == backend.num_compiled_graphs()
+    assert backend.weight_bytes() > 0
+
+
+def test_greedy_tokens_and_logprobs_match_hf(served):
+    arch, model_dir, _, requests, _ = served
+    reference = HFReference(model_dir)
+    worst = 0.0
+    for name, request in zip(("short", "long", "chunked", "prefix-hit"), requests):
+        prompt = request.tokens[:request.prompt_len]
+        ref_tokens, ref_steps = reference.greedy(prompt, len(request.generated))
+        chosen = [float(lp[t]) for lp, t in zip(request.logprobs, request.generated)]
+        assert_matches_hf(request.generated, chosen, ref_tokens, ref_steps, f"{arch} {name}")
+        for ours, ref in zip(request.logprobs, ref_steps):
+            worst = max(worst, float(np.abs(ours - ref.numpy()).max()))
+    assert len(requests[0].generated) == DECODES + 2
+    assert worst < LOGPROB_TOL, f"{arch}: full-vocabulary logprobs differ from HF by {worst:.2e}"
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypatch):
+    """Without add_qkv_bias mindformers builds Qwen2 without q/k/v biases and would drop the
+    checkpoint's bias tensors silently."""
+    import mindspore as ms
+
+    from model_backends.mindformers import config
+    from model_backends.mindformers.backend import MindFormersBackend
+    from model_backends.native.weights import WeightLoadError
+
+    monkeypatch.setattr(config, "ARCHITECTURE_FIELDS", {})
+    model_dir = tiny_model_factory("Qwen2ForCausalLM")
+    with pytest.raises(WeightLoadError, match=r"6 checkpoint tensor\(s\) fit no parameter: "
+                                              r"model.layers.0.self_attn.k_proj.bias"):
+        MindFormersBackend.build(vllm_config(model_dir), BLOCK_SIZE, ms.float32, True)
+
+
+@pytest.mark.parametrize("arch, dtype, expected", [
+    ("LlamaForCausalLM", "float32", "no mcore Llama class"),
+    ("Qwen3ForCausalLM", "bfloat16", "bfloat16 on CPU"),
+])
+def test_unsupported_configurations_are_refused(tiny_model_factory, arch, dtype, expected):
+    import mindspore as ms
+
+    from model_backends.mindformers.backend import check_supported
+    from model_backends.mindformers.config import UnsupportedByMindFormersError
+
+    with pytest.raises(UnsupportedByMindFormersError, match=expected):
+        check_supported(vllm_config(tiny_model_factory(arch)), getattr(ms, dtype))
