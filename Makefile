@@ -26,7 +26,8 @@ demo-model: $(DEMO_MODEL)/config.json
 serve: install $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	$(VENV)/bin/vllm-mindspore serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: install
+# The tests cover both backends: the optional package is installed too (one small wheel).
+test: install-mindformers
 	$(PY) -m pytest -q --durations=30 tests
 
 bench: install $(DEMO_MODEL)/config.json

@@ -13,6 +13,7 @@ supported imports no MindSpore. `build_backend` is what a worker calls.
 """
 
 import importlib
+import importlib.util
 import time
 from typing import NamedTuple
 
@@ -32,18 +33,48 @@ _NATIVE_MODELS = {
 
 _NATIVE_BACKEND = "model_backends.native.backend:NativeBackend"
 
+# MindSpore Transformers' own inference classes (the optional `mindformers` package, `make
+# install-mindformers`): registered there as `mcore_<architecture>`.
+_MINDFORMERS_MODELS = {
+    "Qwen2ForCausalLM": "mindformers.models.qwen2.modeling_qwen2_infer:InferenceQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "mindformers.models.qwen3.modeling_qwen3_infer:InferenceQwen3ForCausalLM",
+}
+
+_MINDFORMERS_MISSING = {"LlamaForCausalLM": "mindformers 2.0.0 has no inference (mcore) Llama class"}
+
+_MINDFORMERS_BACKEND = "model_backends.mindformers.backend:MindFormersBackend"
+
+
+def mindformers_installed() -> bool:
+    """The mindformers package is importable (found without importing it)."""
+    return importlib.util.find_spec("mindformers") is not None
+
 
 class ModelEntry(NamedTuple):
     backend: str  # "module:Class" of the ModelBackend that builds and runs the model
     model: str  # "module:Class" of the model class it runs
+    note: str = ""  # why this implementation runs for the selected backend, when it is not obvious
+
+
+def _mindformers_entry(arch: str, native: str) -> ModelEntry:
+    """MindFormers backend: the package's class when it is installed and has one for `arch`,
+    else the native implementation configured from the YAML (and the reason, logged)."""
+    if not mindformers_installed():
+        return ModelEntry(_NATIVE_BACKEND, native, "the mindformers package is not installed "
+                          "(make install-mindformers): native implementation, configured from "
+                          "the YAML")
+    if arch not in _MINDFORMERS_MODELS:
+        reason = _MINDFORMERS_MISSING.get(arch, f"vllm-mindspore does not run mindformers' {arch} "
+                                                "class yet")
+        return ModelEntry(_NATIVE_BACKEND, native, f"{reason}: native implementation, configured "
+                          "from the YAML")
+    return ModelEntry(_MINDFORMERS_BACKEND, _MINDFORMERS_MODELS[arch])
 
 
 MODEL_REGISTRY: dict[tuple[str, str], ModelEntry] = {
     **{(NATIVE, arch): ModelEntry(_NATIVE_BACKEND, model)
        for arch, model in _NATIVE_MODELS.items()},
-    # No mindformers package on the supported stack (see PLATFORM_FACTS): the YAML-described model
-    # is built from the native implementation of the same architecture.
-    **{(MINDFORMERS, arch): ModelEntry(_NATIVE_BACKEND, model)
+    **{(MINDFORMERS, arch): _mindformers_entry(arch, model)
        for arch, model in _NATIVE_MODELS.items()},
 }
 
@@ -84,13 +115,23 @@ def import_target(target: str):
     return getattr(importlib.import_module(module_name), name)
 
 
-def resolve_entry(architectures: list[str], backend: str) -> ModelEntry:
+def resolve_entry(architectures: list[str], backend: str, vllm_config=None) -> ModelEntry:
     """The registry entry of the first architecture of config.json's `architectures` that
-    `backend` implements."""
+    `backend` implements; with `vllm_config`, a mindformers class that cannot run that
+    configuration yet gives way to the native implementation (the entry's note says why)."""
     for arch in architectures:
         entry = MODEL_REGISTRY.get((backend, arch))
-        if entry is not None:
-            return entry
+        if entry is None:
+            continue
+        if vllm_config is not None and entry.backend == _MINDFORMERS_BACKEND:
+            from model_backends.mindformers import package_limits
+
+            limits = package_limits(vllm_config)
+            if limits:
+                return ModelEntry(_NATIVE_BACKEND, _NATIVE_MODELS[arch],
+                                  f"mindformers' {arch} class does not run {'; '.join(limits)}: "
+                                  "native implementation, configured from the YAML")
+        return entry
     raise UnsupportedModelError(
         f"Model architecture(s) {architectures} are not supported by the {backend} backend of "
         f"vllm-mindspore. Supported: {', '.join(supported_architectures(backend))}.")
@@ -109,15 +150,15 @@ def build_backend(vllm_config, block_size: int, dtype, static_shapes: bool):
     choice = select_backend()
     model_config = vllm_config.model_config
     entry = resolve_entry(list(getattr(model_config.hf_config, "architectures", None) or []),
-                          choice.name)
+                          choice.name, vllm_config)
     start = time.perf_counter()
     backend = import_target(entry.backend).build(entry.model, vllm_config, block_size, dtype,
                                                  static_shapes)
     backend.load_weights(model_config.model, model_config.quantization)
     init_logger("vllm.vllm_mindspore.model_backends").info(
-        "Built %s with %s (%s backend selected, %s) and loaded its weights in %.2f s",
-        backend.implementation, type(backend).__name__, choice.name, dtype,
-        time.perf_counter() - start)
+        "Built %s with %s (%s backend selected%s, %s) and loaded its weights in %.2f s",
+        backend.implementation, type(backend).__name__, choice.name,
+        f": {entry.note}" if entry.note else "", dtype, time.perf_counter() - start)
     return backend
 
 
@@ -126,5 +167,5 @@ def describe_registry() -> str:
     lines = [f"{'backend':<13}architecture -> implementation (built by)"]
     for (backend, arch), entry in sorted(MODEL_REGISTRY.items()):
         lines.append(f"{backend:<13}{arch} -> {entry.model.replace(':', '.')} "
-                     f"({entry.backend.rsplit(':', 1)[1]})")
+                     f"({entry.backend.rsplit(':', 1)[1]}{'; ' + entry.note if entry.note else ''})")
     return "\n".join(lines)

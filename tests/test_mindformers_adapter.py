@@ -7,11 +7,11 @@ compiled token count): several requests of different lengths prefilled together,
 in two chunks, a request whose first block is a prefix-cache hit, then decodes of all of them.
 """
 
-from typing import NamedTuple
-
 import numpy as np
 import pytest
 from conftest import HFReference, assert_matches_hf, needs_mindformers
+
+from model_backends.contract import StepTensors
 
 pytestmark = needs_mindformers()
 
@@ -29,18 +29,6 @@ MODELS = {
 OVERRIDES = {"Qwen2ForCausalLM": dict(tie_word_embeddings=True, head_dim=24)}
 
 
-class Step(NamedTuple):
-    """The fields of the model-backend contract's StepTensors, in its order."""
-
-    input_ids: object
-    positions: object
-    slot_mapping: object
-    block_tables: object
-    batch_valid_length: object
-    q_seq_lens: object
-    prefill_only: bool
-
-
 class Request:
     def __init__(self, prompt: list[int], blocks: list[int], computed: int = 0):
         self.tokens = list(prompt)
@@ -51,6 +39,19 @@ class Request:
         self.logprobs: list[np.ndarray] = []  # full-vocabulary, one per generated token
 
 
+def build(arch: str, model_dir: str):
+    """MindFormersBackend.build + load_weights, as build_backend does for the registry's entry."""
+    import mindspore as ms
+
+    from model_backends.mindformers.backend import MindFormersBackend
+
+    model_class = ":".join(MODELS.get(arch, "mindformers:Unknown").rsplit(".", 1))
+    backend = MindFormersBackend.build(model_class, vllm_config(model_dir), BLOCK_SIZE,
+                                       ms.float32, static_shapes=True)
+    backend.load_weights(model_dir, None)
+    return backend
+
+
 def vllm_config(model_dir: str):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -58,7 +59,7 @@ def vllm_config(model_dir: str):
                       block_size=BLOCK_SIZE).create_engine_config()
 
 
-def make_step(scheduled: list[tuple[Request, int]], num_tokens: int) -> Step:
+def make_step(scheduled: list[tuple[Request, int]], num_tokens: int) -> StepTensors:
     import mindspore as ms
 
     from vllm_mindspore.ops import AttentionMetadata
@@ -76,7 +77,8 @@ def make_step(scheduled: list[tuple[Request, int]], num_tokens: int) -> Step:
     padded = np.zeros((2, num_tokens), np.int32)
     padded[0, :len(ids)], padded[1, :len(positions)] = ids, positions
     prefill_only = all(request.computed == 0 for request, _ in scheduled)
-    return Step(ms.Tensor(padded[0]), ms.Tensor(padded[1]), *metadata.tensors(), prefill_only)
+    return StepTensors(ms.Tensor(padded[0]), ms.Tensor(padded[1]), *metadata.tensors(),
+                       prefill_only)
 
 
 def run_step(backend, scheduled: list[tuple[Request, int]]) -> None:
@@ -108,14 +110,10 @@ def served(request, tiny_model_factory):
     """(architecture, model dir, backend, requests) after the scenario of the module docstring."""
     import mindspore as ms
 
-    from model_backends.mindformers.backend import MindFormersBackend
-
     arch = request.param
     model_dir = tiny_model_factory(arch, **OVERRIDES.get(arch, {}))
-    ms.set_device("CPU")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    backend = MindFormersBackend.build(vllm_config(model_dir), BLOCK_SIZE, ms.float32,
-                                       static_shapes=True)
+    ms.set_context(mode=ms.GRAPH_MODE)  # the device: CPU, MindSpore's default here
+    backend = build(arch, model_dir)
     backend.allocate_kv_cache(num_blocks=8)
     for size in GRAPH_TOKENS:
         backend.compile_step(make_step([], size))
@@ -163,17 +161,14 @@ def test_greedy_tokens_and_logprobs_match_hf(served):
 def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypatch):
     """Without add_qkv_bias mindformers builds Qwen2 without q/k/v biases and would drop the
     checkpoint's bias tensors silently."""
-    import mindspore as ms
-
     from model_backends.mindformers import config
-    from model_backends.mindformers.backend import MindFormersBackend
     from model_backends.native.weights import WeightLoadError
 
     monkeypatch.setattr(config, "ARCHITECTURE_FIELDS", {})
     model_dir = tiny_model_factory("Qwen2ForCausalLM")
     with pytest.raises(WeightLoadError, match=r"6 checkpoint tensor\(s\) fit no parameter: "
                                               r"model.layers.0.self_attn.k_proj.bias"):
-        MindFormersBackend.build(vllm_config(model_dir), BLOCK_SIZE, ms.float32, True)
+        build("Qwen2ForCausalLM", model_dir)
 
 
 @pytest.mark.parametrize("arch, dtype, expected", [

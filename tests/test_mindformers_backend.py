@@ -1,11 +1,16 @@
 """The MindFormers backend end to end: `vLLM_MODEL_BACKEND=MindFormers` plus a YAML from
-yaml_configs/ serves the same greedy tokens as the Native backend; YAML parallel settings are
-overridden by the CLI, and bad YAMLs stop the server before any worker starts."""
+yaml_configs/ serves the same greedy tokens as the Native backend and HF transformers (through
+the mindformers package's own model classes when it is installed, else the native
+implementation configured from the YAML, as the log says); YAML parallel settings are overridden
+by the CLI, and bad YAMLs stop the server before any worker starts."""
 
 import os
 
 import pytest
-from conftest import PROMPTS, ROOT, greedy_tokens, slow
+from conftest import (PROMPTS, ROOT, HFReference, assert_matches_hf, greedy_tokens,
+                      needs_mindformers, slow)
+
+from model_backends import mindformers_installed
 
 SMALL = os.path.join(ROOT, "yaml_configs", "small")
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(16 << 20))
@@ -31,8 +36,33 @@ def test_mindformers_backend_serves_native_tokens(serve, qwen2):
     assert greedy_tokens(server, qwen2, PROMPTS) == expected
     log = server.log_tail(100000)
     assert "Model backend: MindFormers (vLLM_MODEL_BACKEND=MindFormers)" in log
-    assert "native MindSpore implementation, configured from the YAML" in log
+    if mindformers_installed():
+        assert ("Built mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM "
+                "with MindFormersBackend") in log
+    else:
+        assert "not installed (make install-mindformers): native implementation" in log
     assert "block_size=16" in log
+
+
+@needs_mindformers()
+def test_mindformers_qwen3_serves_hf_tokens_with_chunked_prefill_and_prefix_caching(
+        serve, tiny_model_factory):
+    """mindformers' InferenceQwen3ForCausalLM behind `vllm-mindspore serve`: steps that mix
+    prefill chunks (16-token budget), prefix-cache hits and decodes give HF's greedy tokens."""
+    model = tiny_model_factory("Qwen3ForCausalLM")  # the shape of predict_qwen3_tiny.yaml
+    server = serve(model, *ARGS, "--enable-chunked-prefill", "--max-num-batched-tokens", "16",
+                   "--enable-prefix-caching", env=mindformers_env("predict_qwen3_tiny.yaml"))
+    # The second half repeats the first: its prompts hit the prefix cache.
+    prompts = PROMPTS + PROMPTS
+    tokens = greedy_tokens(server, model, prompts)
+    log = server.log_tail(100000)
+    assert ("Built mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM "
+            "with MindFormersBackend") in log
+    reference = HFReference(model)
+    for prompt, ours in zip(prompts, tokens):
+        ids = reference.tokenizer(prompt)["input_ids"]
+        expected, steps = reference.greedy(ids, len(ours))
+        assert_matches_hf(ours, None, expected, steps, repr(prompt))
 
 
 @slow("a server start; every run checks the override both ways: test_mindformers_yaml.py on the "

@@ -18,6 +18,23 @@ from vllm_mindspore.config import (apply_to_vllm_config, cross_check, load_mindf
 CLI_DEFAULTS_APPLIED_ENV = "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED"
 
 
+def package_limits(vllm_config) -> list[str]:
+    """What in vLLM's config mindformers' own classes do not run here yet (the native
+    implementation, configured from the YAML, runs it instead, and the log says why)."""
+    from vllm_mindspore.platform import ASCEND, kernel_device
+
+    limits = []
+    if vllm_config.model_config.quantization:
+        limits.append(f"--quantization {vllm_config.model_config.quantization} (mindformers' "
+                      "quantized layers are Ascend-only)")
+    if kernel_device() == ASCEND:
+        limits.append("Ascend (the adapter's FlashAttention prefill and PagedAttention increment "
+                      "graphs are not written yet)")
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        limits.append("tensor parallelism (not wired to mindformers' parallel state yet)")
+    return limits
+
+
 def load_yaml():
     path = envs.MINDFORMERS_MODEL_CONFIG
     if not path:
@@ -35,7 +52,10 @@ def configure(vllm_config, log: logging.Logger, cli_defaults_applied: bool) -> N
     missing = cross_check(model_config_overrides(cfg), hf_config.to_dict())
     for key, value in missing.items():
         setattr(hf_config, key, value)
-    log.info("MindFormers backend: %s applied (%d model field(s) filled from it: %s). The "
-             "mindformers package is not used: the architecture is built from vllm-mindspore's "
-             "native MindSpore implementation, configured from the YAML.", cfg.path, len(missing),
-             ", ".join(sorted(missing)) or "none")
+    architectures = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    from model_backends import MINDFORMERS, resolve_entry
+
+    entry = resolve_entry(architectures, MINDFORMERS, vllm_config)
+    log.info("MindFormers backend: %s applied (%d model field(s) filled from it: %s); the model "
+             "runs as %s%s.", cfg.path, len(missing), ", ".join(sorted(missing)) or "none",
+             entry.model.replace(":", "."), f" ({entry.note})" if entry.note else "")

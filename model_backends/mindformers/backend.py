@@ -14,6 +14,7 @@ from mindspore import Parameter, mint, nn
 from safetensors import safe_open
 
 from model_backends import MINDFORMERS
+from model_backends.mindformers import package_limits
 from model_backends.mindformers.config import UnsupportedByMindFormersError, mindformers_config
 from model_backends.native.weights import WeightLoadError, safetensors_files
 from vllm_mindspore.platform import ASCEND, kernel_device
@@ -64,17 +65,10 @@ def check_supported(vllm_config, dtype) -> str:
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} so far (mindformers 2.0.0 has no "
                         "mcore Llama class; Qwen3-MoE and DeepSeek-V3 wait for CPU stand-ins of "
                         "mf's MoE and MLA ops)")
-    if model_config.quantization:
-        problems.append(f"--quantization {model_config.quantization}: mindformers' quantized "
-                        "layers are Ascend-only")
-    if kernel_device() == ASCEND:
-        problems.append("Ascend: the adapter's Ascend graphs (FlashAttention prefill and "
-                        "PagedAttention increment) are not written yet")
-    elif dtype == ms.bfloat16:
+    problems += package_limits(vllm_config)
+    if kernel_device() != ASCEND and dtype == ms.bfloat16:
         problems.append("--dtype bfloat16 on CPU: MindSpore has no bfloat16 matmul there; use "
                         "float32 or float16")
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        problems.append("tensor_parallel_size > 1: not wired to mindformers' parallel state yet")
     if problems:
         raise UnsupportedByMindFormersError(
             "The MindFormers backend cannot run this configuration: " + "; ".join(problems)
@@ -97,10 +91,11 @@ class MindFormersBackend:
         self._weight_bytes = 0
 
     @classmethod
-    def build(cls, vllm_config, block_size: int, dtype, static_shapes: bool) -> "MindFormersBackend":
-        """Build the mcore network for vLLM's config and load its weights. On CPU every
-        graph has static shapes (one per padded token count), whatever `static_shapes` says:
-        the dynamic-shape Ascend graphs are refused by `check_supported` for now."""
+    def build(cls, model_class: str, vllm_config, block_size: int, dtype,
+              static_shapes: bool) -> "MindFormersBackend":
+        """The mcore network (`model_class`, from the registry) for vLLM's config, weights not
+        loaded. On CPU every graph has static shapes (one per padded token count): the
+        dynamic-shape Ascend graphs are refused by `check_supported` for now."""
         arch = check_supported(vllm_config, dtype)
         from vllm_mindspore.patches.mindformers import apply_mindformers_patches
 
@@ -115,6 +110,12 @@ class MindFormersBackend:
         build_mf_context(config)
         with no_init_parameters():
             network = AutoModel.from_config(config)
+        implementation = f"{type(network).__module__}.{type(network).__qualname__}"
+        if implementation != model_class.replace(":", "."):
+            raise UnsupportedByMindFormersError(
+                f"mindformers built {implementation} for {arch}, not {model_class} as "
+                "vllm-mindspore's registry expects: install the pinned mindformers version "
+                "(make install-mindformers).")
         model = network.model
         model.return_hidden_states = True  # the logits are a second graph over sampled rows
         model.move_lens_to_cpu = False  # MoveTo has no CPU kernel
@@ -123,9 +124,7 @@ class MindFormersBackend:
         for layer in model.decoder.layers:
             bind_paged_attention(layer.self_attention.core_attention,
                                  1.0 / layer.self_attention.norm_factor, block_size)
-        backend = cls(network, vllm_config, dtype)
-        backend._load_weights(vllm_config.model_config.model)
-        return backend
+        return cls(network, vllm_config, dtype)
 
     # ---- weights ---------------------------------------------------------------------------
     def _checkpoint(self, files: list[str], slices: list[_CheckpointSlice]):
@@ -136,7 +135,7 @@ class MindFormersBackend:
                     slices.append(_CheckpointSlice(name, handle.get_slice(name)))
                     yield self.network.convert_name(name), slices[-1]
 
-    def _load_weights(self, model_dir: str) -> None:
+    def load_weights(self, model_dir: str, quantization: str | None) -> None:
         """mindformers' loader (name mapping, q|k|v and gate|up stacking, TP slicing). It only
         warns about a parameter it found no tensor for and skips a tensor it has no parameter
         for (say biases of a model built without them): both are errors here."""

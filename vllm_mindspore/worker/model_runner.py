@@ -147,7 +147,8 @@ class MindSporeModelRunner:
         self.block_size = self.cache_config.block_size
         self.dtype = MS_DTYPES[self.model_config.dtype]
         self.device = torch.device("cpu")
-        self.model: ModelBackend | None = None
+        # Not `self.model`: vLLM's LLMEngine reads `model_runner.model` as a torch module at exit.
+        self.backend: ModelBackend | None = None
         self.num_graphs = 0  # compiled at warm-up; a step that compiles another is logged
         self.requests: dict[str, CachedRequestState] = {}
         # req_id -> number of prompt logprobs requested (popped once the prompt is done)
@@ -176,14 +177,14 @@ class MindSporeModelRunner:
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = build_backend(self.vllm_config, self.block_size, self.dtype,
+        self.backend = build_backend(self.vllm_config, self.block_size, self.dtype,
                                    static_shapes=self.sizes.static)
 
     def get_kv_cache_spec(self):
-        return self.model.kv_cache_spec(self.block_size, self.model_config.dtype)
+        return self.backend.kv_cache_spec(self.block_size, self.model_config.dtype)
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
-        self.model.allocate_kv_cache(kv_cache_config.num_blocks)
+        self.backend.allocate_kv_cache(kv_cache_config.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens", kv_cache_config.num_blocks, self.block_size)
 
     def warm_up(self) -> float:
@@ -192,11 +193,11 @@ class MindSporeModelRunner:
         start = time.perf_counter()
         token_sizes = self.sizes.tokens if self.sizes.static else [4]
         for num_tokens in token_sizes:
-            self.model.compile_step(self._dummy_call(num_tokens).step_tensors())
+            self.backend.compile_step(self._dummy_call(num_tokens).step_tensors())
         if not self.sizes.static:  # Ascend's graph for steps of first prefills only
-            self.model.compile_step(self._dummy_call(4)._replace(prefill_only=True).step_tensors())
+            self.backend.compile_step(self._dummy_call(4)._replace(prefill_only=True).step_tensors())
         for num_rows in (self.sizes.rows if self.sizes.static else [2]):
-            self.model.compile_logits(num_rows)
+            self.backend.compile_logits(num_rows)
         compiled = time.perf_counter() - start
         # Ranks compile at their own pace; MindSpore's collectives time out long before a slow
         # peer's compile ends, so every rank waits here (vLLM's gloo world group) before the
@@ -206,7 +207,7 @@ class MindSporeModelRunner:
         if get_world_group().world_size > 1:
             torch.distributed.barrier(group=get_world_group().cpu_group)
         self._logits(self._forward([self._dummy_call(token_sizes[0])]), np.zeros(1, np.int64))
-        self.num_graphs = self.model.num_compiled_graphs()
+        self.num_graphs = self.backend.num_compiled_graphs()
         logger.info("Compiled %d decoder graph(s) (tokens %s) and %d logits graph(s) in %.1f s: "
                     "%d graphs in all", len(token_sizes),
                     token_sizes if self.sizes.static else "dynamic",
@@ -221,7 +222,7 @@ class MindSporeModelRunner:
 
     def _forward(self, calls: list[GraphCall]) -> np.ndarray:
         """The decoder's output [tokens, hidden] over the calls' tokens, in order."""
-        hidden = [self.model.forward(call.step_tensors()).asnumpy()[:call.count]
+        hidden = [self.backend.forward(call.step_tensors()).asnumpy()[:call.count]
                   for call in calls]
         return hidden[0] if len(hidden) == 1 else np.concatenate(hidden)
 
@@ -234,7 +235,7 @@ class MindSporeModelRunner:
             padded = np.zeros((self.sizes.padded_rows(len(chunk)), hidden.shape[1]),
                               hidden.dtype)
             padded[:len(chunk)] = hidden[chunk]
-            logits = self.model.logits(ms.Tensor.from_numpy(padded)).asnumpy()
+            logits = self.backend.logits(ms.Tensor.from_numpy(padded)).asnumpy()
             chunks.append(torch.from_numpy(logits[:len(chunk)]))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -384,8 +385,8 @@ class MindSporeModelRunner:
         start = time.perf_counter()
         inputs = self._prepare_inputs(scheduler_output)
         logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
-        if self.model.num_compiled_graphs() != self.num_graphs:
-            self.num_graphs = self.model.num_compiled_graphs()
+        if self.backend.num_compiled_graphs() != self.num_graphs:
+            self.num_graphs = self.backend.num_compiled_graphs()
             logger.warning("Model graph recompiled (%d graphs now) for %d tokens",
                            self.num_graphs, inputs.padded_tokens)
         self.pending = PendingStep(scheduler_output, inputs, logits, start)

@@ -81,7 +81,7 @@ class MindSporeWorker(WorkerBase):
         self.model_runner.load_model()
 
     def get_model(self):
-        return self.model_runner.model
+        return self.model_runner.backend
 
     def get_supported_tasks(self):
         return ("generate",)
@@ -166,7 +166,7 @@ class MindSporeWorker(WorkerBase):
 
     def weight_bytes(self) -> int:
         """Bytes of model weights resident on this rank (KV cache excluded)."""
-        return self.model_runner.model.weight_bytes()
+        return self.model_runner.backend.weight_bytes()
 
     def shutdown(self) -> None:
         shutdown_communication()
