@@ -1,6 +1,6 @@
 """MindFormersBackend on CPU: mindformers' own mcore classes (InferenceQwen3ForCausalLM,
-InferenceQwen2ForCausalLM) run this project's steps and give HF transformers' logits and greedy
-tokens on the same weights (float32).
+InferenceQwen2ForCausalLM, InferenceQwen3MoeForCausalLM) run this project's steps and give HF
+transformers' logits and greedy tokens on the same weights (float32).
 
 The steps are built as the model runner builds them (AttentionMetadata.build, padded to a
 compiled token count): several requests of different lengths prefilled together, one of them
@@ -21,12 +21,22 @@ GRAPH_TOKENS = (8, 32)  # the padded token counts compiled, as the runner's Grap
 DECODES = 4
 LOGPROB_TOL = 1e-4  # float32 against HF's float32
 
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 decoder_sparse_step=1, mlp_only_layers=[])
+
+# name -> (architecture, tiny-config overrides, the mindformers class expected to run)
 MODELS = {
-    "Qwen3ForCausalLM": "mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM",
+    "qwen3": ("Qwen3ForCausalLM", {},
+              "mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM"),
     # Qwen2: q/k/v bias and no q/k norm; tied embeddings and head_dim != hidden / heads.
-    "Qwen2ForCausalLM": "mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM",
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, head_dim=24),
+              "mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM"),
+    # Every layer sparse (mindformers' only layout), top-2 of 8 experts, both weightings.
+    **{f"qwen3-moe-norm-{norm}": (
+        "Qwen3MoeForCausalLM", dict(QWEN3_MOE, norm_topk_prob=norm),
+        "mindformers.models.qwen3_moe.modeling_qwen3_moe_infer.InferenceQwen3MoeForCausalLM")
+       for norm in (True, False)},
 }
-OVERRIDES = {"Qwen2ForCausalLM": dict(tie_word_embeddings=True, head_dim=24)}
 
 
 class Step(NamedTuple):
@@ -110,8 +120,9 @@ def served(request, tiny_model_factory):
 
     from model_backends.mindformers.backend import MindFormersBackend
 
-    arch = request.param
-    model_dir = tiny_model_factory(arch, **OVERRIDES.get(arch, {}))
+    name = request.param
+    arch, overrides, _ = MODELS[name]
+    model_dir = tiny_model_factory(arch, **overrides)
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     backend = MindFormersBackend.build(vllm_config(model_dir), BLOCK_SIZE, ms.float32,
@@ -133,31 +144,36 @@ def served(request, tiny_model_factory):
     requests = [short, long_, chunked, prefix_hit]
     for _ in range(DECODES):
         run_step(backend, [(r, 1) for r in requests])
-    return arch, model_dir, backend, requests, compiled
+    return name, model_dir, backend, requests, compiled
 
 
 def test_the_mindformers_class_runs(served):
-    arch, _, backend, _, compiled = served
+    name, _, backend, _, compiled = served
     assert backend.name == "MindFormers"
-    assert backend.implementation == MODELS[arch]
+    assert backend.implementation == MODELS[name][2]
+    for layer in backend.network.model.decoder.layers:
+        if MODELS[name][0] == "Qwen3MoeForCausalLM":
+            # mf's MoELayer, its GroupedMLP packed for the CPU experts kernel and dropped.
+            assert type(layer.mlp).__name__ == "MoELayer"
+            assert layer.mlp.experts is None and layer.mlp.cpu_experts.w13 is not None
     # Every step ran on the graphs compiled up front: 2 token counts + 1 logits row count.
     assert compiled == len(GRAPH_TOKENS) + 1 == backend.num_compiled_graphs()
     assert backend.weight_bytes() > 0
 
 
 def test_greedy_tokens_and_logprobs_match_hf(served):
-    arch, model_dir, _, requests, _ = served
+    name, model_dir, _, requests, _ = served
     reference = HFReference(model_dir)
     worst = 0.0
-    for name, request in zip(("short", "long", "chunked", "prefix-hit"), requests):
+    for kind, request in zip(("short", "long", "chunked", "prefix-hit"), requests):
         prompt = request.tokens[:request.prompt_len]
         ref_tokens, ref_steps = reference.greedy(prompt, len(request.generated))
         chosen = [float(lp[t]) for lp, t in zip(request.logprobs, request.generated)]
-        assert_matches_hf(request.generated, chosen, ref_tokens, ref_steps, f"{arch} {name}")
+        assert_matches_hf(request.generated, chosen, ref_tokens, ref_steps, f"{name} {kind}")
         for ours, ref in zip(request.logprobs, ref_steps):
             worst = max(worst, float(np.abs(ours - ref.numpy()).max()))
     assert len(requests[0].generated) == DECODES + 2
-    assert worst < LOGPROB_TOL, f"{arch}: full-vocabulary logprobs differ from HF by {worst:.2e}"
+    assert worst < LOGPROB_TOL, f"{name}: full-vocabulary logprobs differ from HF by {worst:.2e}"
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypatch):
@@ -176,15 +192,21 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypat
         MindFormersBackend.build(vllm_config(model_dir), BLOCK_SIZE, ms.float32, True)
 
 
-@pytest.mark.parametrize("arch, dtype, expected", [
-    ("LlamaForCausalLM", "float32", "no mcore Llama class"),
-    ("Qwen3ForCausalLM", "bfloat16", "bfloat16 on CPU"),
+@pytest.mark.parametrize("arch, overrides, dtype, expected", [
+    ("LlamaForCausalLM", {}, "float32", "no mcore Llama class"),
+    ("Qwen3ForCausalLM", {}, "bfloat16", "bfloat16 on CPU"),
+    # mindformers' Qwen3-MoE drops both fields and makes every layer sparse.
+    ("Qwen3MoeForCausalLM", dict(QWEN3_MOE, mlp_only_layers=[1]), "float32",
+     r"mlp_only_layers=\[1\] \(config.json\)"),
+    ("Qwen3MoeForCausalLM", dict(QWEN3_MOE, decoder_sparse_step=2), "float32",
+     r"decoder_sparse_step=2 \(config.json\)"),
 ])
-def test_unsupported_configurations_are_refused(tiny_model_factory, arch, dtype, expected):
+def test_unsupported_configurations_are_refused(tiny_model_factory, arch, overrides, dtype,
+                                                expected):
     import mindspore as ms
 
     from model_backends.mindformers.backend import check_supported
     from model_backends.mindformers.config import UnsupportedByMindFormersError
 
     with pytest.raises(UnsupportedByMindFormersError, match=expected):
-        check_supported(vllm_config(tiny_model_factory(arch)), getattr(ms, dtype))
+        check_supported(vllm_config(tiny_model_factory(arch, **overrides)), getattr(ms, dtype))

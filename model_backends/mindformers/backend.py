@@ -18,7 +18,7 @@ from model_backends.mindformers.config import UnsupportedByMindFormersError, min
 from model_backends.native.weights import WeightLoadError, safetensors_files
 from vllm_mindspore.platform import ASCEND, kernel_device
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 class _CheckpointSlice:
@@ -53,6 +53,21 @@ class LogitsHead(nn.Cell):
         return self.output_layer(hidden).astype(ms.float32)
 
 
+def unexpressible_fields(arch: str | None, hf_text_config) -> list[str]:
+    """config.json fields mindformers' class would ignore (its config drops them as unused):
+    mindformers' Qwen3-MoE makes every decoder layer sparse."""
+    if arch != "Qwen3MoeForCausalLM":
+        return []
+    problems = []
+    if hf_text_config.decoder_sparse_step != 1:
+        problems.append(f"decoder_sparse_step={hf_text_config.decoder_sparse_step} (config.json): "
+                        "mindformers' Qwen3-MoE makes every layer sparse (it ignores the field)")
+    if hf_text_config.mlp_only_layers:
+        problems.append(f"mlp_only_layers={list(hf_text_config.mlp_only_layers)} (config.json): "
+                        "mindformers' Qwen3-MoE has no dense layers (it ignores the field)")
+    return problems
+
+
 def check_supported(vllm_config, dtype) -> str:
     """-> the architecture; refuses what this backend cannot run yet, naming the alternative."""
     model_config = vllm_config.model_config
@@ -62,8 +77,8 @@ def check_supported(vllm_config, dtype) -> str:
     if arch is None:
         problems.append(f"architecture(s) {architectures}: the MindFormers backend runs "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} so far (mindformers 2.0.0 has no "
-                        "mcore Llama class; Qwen3-MoE and DeepSeek-V3 wait for CPU stand-ins of "
-                        "mf's MoE and MLA ops)")
+                        "mcore Llama class; DeepSeek-V3 waits for CPU stand-ins of mf's MLA ops)")
+    problems += unexpressible_fields(arch, model_config.hf_text_config)
     if model_config.quantization:
         problems.append(f"--quantization {model_config.quantization}: mindformers' quantized "
                         "layers are Ascend-only")
@@ -109,7 +124,10 @@ class MindFormersBackend:
         from mindformers.core.context import build_mf_context
         from mindspore.nn.utils import no_init_parameters
 
-        from model_backends.mindformers.cpu_substitutes import bind_paged_attention
+        from model_backends.mindformers.cpu_substitutes import (
+            bind_moe_experts,
+            bind_paged_attention,
+        )
 
         config = mindformers_config(vllm_config, arch, block_size, dtype, kernel_device())
         build_mf_context(config)
@@ -125,6 +143,10 @@ class MindFormersBackend:
                                  1.0 / layer.self_attention.norm_factor, block_size)
         backend = cls(network, vllm_config, dtype)
         backend._load_weights(vllm_config.model_config.model)
+        for index, layer in enumerate(model.decoder.layers):
+            if hasattr(layer.mlp, "router"):  # an MoELayer
+                bind_moe_experts(layer.mlp, f"model.layers.{index}.mlp")
+        backend._weight_bytes = sum(p.nbytes for _, p in network.parameters_and_names())
         return backend
 
     # ---- weights ---------------------------------------------------------------------------
@@ -164,7 +186,6 @@ class MindFormersBackend:
                 f"configured ({'; '.join(problems)}): config.json (or the YAML) and the weights "
                 "do not belong together.")
         network.process_weights_after_loading(network.model)
-        self._weight_bytes = sum(p.nbytes for _, p in network.parameters_and_names())
 
     def weight_bytes(self) -> int:
         return self._weight_bytes

@@ -16,6 +16,12 @@ _DTYPE_NAMES = {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bflo
 # always has q/k/v biases, mindformers' Qwen2 builds them only with add_qkv_bias (default False).
 ARCHITECTURE_FIELDS = {"Qwen2ForCausalLM": {"add_qkv_bias": True}}
 
+# model_config fields mindformers reads under a name transformers 5 no longer writes to
+# config.json (it maps them through `attribute_map`: Qwen3-MoE's `num_experts` is saved as
+# `num_local_experts`, so mindformers would build its default 128 experts). Read from vLLM's
+# HF config, which resolves the mapping.
+RENAMED_FIELDS = {"Qwen3MoeForCausalLM": ("num_experts",)}
+
 
 class UnsupportedByMindFormersError(ValueError):
     pass
@@ -84,8 +90,10 @@ def mindformers_config(vllm_config, arch: str, block_size: int, dtype, device: s
         "model.model_config.offset": 0,
         "model.model_config.use_fused_mla": False,
     }
-    model_fields = {**rope_settings(vllm_config.model_config.hf_text_config),
-                    **ARCHITECTURE_FIELDS.get(arch, {})}
+    hf_text_config = vllm_config.model_config.hf_text_config
+    model_fields = {**rope_settings(hf_text_config), **ARCHITECTURE_FIELDS.get(arch, {}),
+                    **{name: getattr(hf_text_config, name)
+                       for name in RENAMED_FIELDS.get(arch, ())}}
     settings.update({f"model.model_config.{key}": value for key, value in model_fields.items()})
     for dotted, value in settings.items():
         _set(config, dotted, value)
