@@ -14,11 +14,13 @@ from mindspore import Parameter, mint, nn
 from safetensors import safe_open
 
 from model_backends import MINDFORMERS
-from model_backends.mindformers.config import UnsupportedByMindFormersError, mindformers_config
-from model_backends.native.weights import WeightLoadError, safetensors_files
+from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByMindFormersError,
+                                               mindformers_config)
+from model_backends.native.weights import WeightLoadError, is_mtp_tensor, safetensors_files
 from vllm_mindspore.platform import ASCEND, kernel_device
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "DeepseekV3ForCausalLM")
 
 
 class _CheckpointSlice:
@@ -53,18 +55,38 @@ class LogitsHead(nn.Cell):
         return self.output_layer(hidden).astype(ms.float32)
 
 
+# HF's DeepSeek-V3 q_a_layernorm / kv_a_layernorm: built with the RMSNorm default eps.
+HF_LATENT_NORM_EPS = 1e-6
+
+
 def unexpressible_fields(arch: str | None, hf_text_config) -> list[str]:
-    """config.json fields mindformers' class would ignore (its config drops them as unused):
-    mindformers' Qwen3-MoE makes every decoder layer sparse."""
-    if arch != "Qwen3MoeForCausalLM":
-        return []
+    """config.json settings mindformers 2.0.0's class cannot express (it would run another
+    model than HF's): its Qwen3-MoE drops decoder_sparse_step and mlp_only_layers and makes
+    every layer sparse; its DeepSeek-V3 loads no `self_attn.q_proj` (no weight_mapping entry,
+    and no rope permutation for it), permutes every checkpoint's rope rows from the
+    interleaved layout and normalises the latents with rms_norm_eps."""
     problems = []
-    if hf_text_config.decoder_sparse_step != 1:
-        problems.append(f"decoder_sparse_step={hf_text_config.decoder_sparse_step} (config.json): "
-                        "mindformers' Qwen3-MoE makes every layer sparse (it ignores the field)")
-    if hf_text_config.mlp_only_layers:
-        problems.append(f"mlp_only_layers={list(hf_text_config.mlp_only_layers)} (config.json): "
-                        "mindformers' Qwen3-MoE has no dense layers (it ignores the field)")
+    if arch == "Qwen3MoeForCausalLM":
+        if hf_text_config.decoder_sparse_step != 1:
+            problems.append(f"decoder_sparse_step={hf_text_config.decoder_sparse_step} "
+                            "(config.json): mindformers' Qwen3-MoE makes every layer sparse (it "
+                            "ignores the field)")
+        if hf_text_config.mlp_only_layers:
+            problems.append(f"mlp_only_layers={list(hf_text_config.mlp_only_layers)} "
+                            "(config.json): mindformers' Qwen3-MoE has no dense layers (it "
+                            "ignores the field)")
+    if arch == "DeepseekV3ForCausalLM":
+        if hf_text_config.q_lora_rank is None:
+            problems.append("q_lora_rank=null (config.json): mindformers 2.0.0's DeepSeek-V3 "
+                            "has no checkpoint name for self_attn.q_proj (weight_mapping) nor "
+                            "the rope permutation its rows need")
+        if hf_text_config.rms_norm_eps != HF_LATENT_NORM_EPS:
+            problems.append(f"rms_norm_eps={hf_text_config.rms_norm_eps} (config.json): "
+                            "mindformers' DeepSeek-V3 also gives it to the q/kv latent norms, "
+                            f"which HF builds with eps {HF_LATENT_NORM_EPS}")
+        if not getattr(hf_text_config, "rope_interleave", True):
+            problems.append("rope_interleave=false (config.json): mindformers' DeepSeek-V3 "
+                            "takes every checkpoint's q/k rope rows as interleaved")
     return problems
 
 
@@ -77,7 +99,7 @@ def check_supported(vllm_config, dtype) -> str:
     if arch is None:
         problems.append(f"architecture(s) {architectures}: the MindFormers backend runs "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} so far (mindformers 2.0.0 has no "
-                        "mcore Llama class; DeepSeek-V3 waits for CPU stand-ins of mf's MLA ops)")
+                        "mcore Llama class)")
     problems += unexpressible_fields(arch, model_config.hf_text_config)
     if model_config.quantization:
         problems.append(f"--quantization {model_config.quantization}: mindformers' quantized "
@@ -103,9 +125,10 @@ class MindFormersBackend:
 
     name = MINDFORMERS
 
-    def __init__(self, network, vllm_config, dtype):
+    def __init__(self, network, vllm_config, dtype, mla: bool):
         self.network = network
         self.dtype = dtype
+        self.mla = mla  # multi-latent attention: one latent cache per layer
         self.implementation = f"{type(network).__module__}.{type(network).__qualname__}"
         self.hidden_size = vllm_config.model_config.get_hidden_size()
         self.logits_head = LogitsHead(network.model.output_layer)
@@ -124,10 +147,9 @@ class MindFormersBackend:
         from mindformers.core.context import build_mf_context
         from mindspore.nn.utils import no_init_parameters
 
-        from model_backends.mindformers.cpu_substitutes import (
-            bind_moe_experts,
-            bind_paged_attention,
-        )
+        from model_backends.mindformers.cpu_substitutes import (absorb_mla, bind_mla_attention,
+                                                                 bind_moe_experts,
+                                                                 bind_paged_attention)
 
         config = mindformers_config(vllm_config, arch, block_size, dtype, kernel_device())
         build_mf_context(config)
@@ -138,12 +160,19 @@ class MindFormersBackend:
         model.move_lens_to_cpu = False  # MoveTo has no CPU kernel
         # Rope rows gathered by position for every token (the CPU rope takes per-token rows).
         network.add_flags_custom_mcore(is_prefill=False)
+        mla = arch in MLA_ARCHITECTURES
         for layer in model.decoder.layers:
-            bind_paged_attention(layer.self_attention.core_attention,
-                                 1.0 / layer.self_attention.norm_factor, block_size)
-        backend = cls(network, vllm_config, dtype)
+            attention = layer.self_attention
+            if mla:
+                bind_mla_attention(attention, block_size)
+            else:
+                bind_paged_attention(attention.core_attention, 1.0 / attention.norm_factor,
+                                     block_size)
+        backend = cls(network, vllm_config, dtype, mla)
         backend._load_weights(vllm_config.model_config.model)
         for index, layer in enumerate(model.decoder.layers):
+            if mla:
+                absorb_mla(layer.self_attention, f"model.layers.{index}.self_attn")
             if hasattr(layer.mlp, "router"):  # an MoELayer
                 bind_moe_experts(layer.mlp, f"model.layers.{index}.mlp")
         backend._weight_bytes = sum(p.nbytes for _, p in network.parameters_and_names())
@@ -151,10 +180,14 @@ class MindFormersBackend:
 
     # ---- weights ---------------------------------------------------------------------------
     def _checkpoint(self, files: list[str], slices: list[_CheckpointSlice]):
-        """(mf name, slice) of every checkpoint tensor; each slice is also kept in `slices`."""
+        """(mf name, slice) of every checkpoint tensor but the multi-token-prediction layers'
+        (mindformers builds none for generation); each slice is also kept in `slices`."""
+        num_layers = len(self.network.model.decoder.layers)
         for path in files:
             with safe_open(path, framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle)
+                    if is_mtp_tensor(name, num_layers):
+                        continue
                     slices.append(_CheckpointSlice(name, handle.get_slice(name)))
                     yield self.network.convert_name(name), slices[-1]
 
@@ -192,13 +225,20 @@ class MindFormersBackend:
 
     # ---- KV cache --------------------------------------------------------------------------
     def _attention_cells(self) -> dict[str, nn.Cell]:
-        """vLLM layer name -> the mf attention cell holding that layer's caches."""
-        return {f"model.layers.{i}.self_attn.attn": layer.self_attention.core_attention
+        """vLLM layer name -> the mf attention cell holding that layer's caches (MLA: the
+        attention layer; else its core attention)."""
+        return {f"model.layers.{i}.self_attn.attn":
+                layer.self_attention if self.mla else layer.self_attention.core_attention
                 for i, layer in enumerate(self.network.model.decoder.layers)}
 
     def kv_cache_spec(self, block_size: int, torch_dtype):
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
+        if self.mla:  # one latent row per token: [c, k_pe]
+            return {name: MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
+                                           head_size=cell.cpu_attention.latent_size,
+                                           dtype=torch_dtype)
+                    for name, cell in self._attention_cells().items()}
         return {name: FullAttentionSpec(block_size=block_size, num_kv_heads=cell.kv_head_num,
                                         head_size=cell.hidden_size_per_attention_head,
                                         dtype=torch_dtype)
@@ -206,6 +246,11 @@ class MindFormersBackend:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         for name, cell in self._attention_cells().items():
+            if self.mla:
+                cell.kv_cache_cpu = Parameter(
+                    mint.zeros(cell.cpu_attention.cache_shape(num_blocks), dtype=self.dtype),
+                    name=f"{name}.kv_cache", requires_grad=False)
+                continue
             key_shape, value_shape = cell.cpu_attention.cache_shapes(num_blocks)
             cell.key_cache_cpu = Parameter(mint.zeros(key_shape, dtype=self.dtype),
                                            name=f"{name}.key_cache", requires_grad=False)

@@ -11,6 +11,7 @@ from mindspore import mint, nn, ops
 
 from vllm_mindspore.ops import PagedAttention, kernels
 from vllm_mindspore.ops.host import to_host
+from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.moe import MoEDispatch, group_limited_topk
 
 
@@ -151,3 +152,47 @@ def bind_moe_experts(moe_layer, prefix: str) -> MoEDispatch:
                                       experts.weight1.dtype, f"{prefix}.cpu_experts")
     moe_layer.experts = None
     return moe_layer.cpu_experts
+
+
+def mla_construct(original):
+    """MLASelfAttention.construct on this project's MLA CPU kernel: mf's `compute_kv` (input
+    norm, projections, q/kv norms, rope) gives the latent [c, k_pe] that the layer's
+    `cpu_attention` (MLAAttention, bound by `bind_mla_attention`) writes to `kv_cache_cpu` and
+    attends to with W_UK / W_UV absorbed, then mf's `linear_proj`. mf's ReshapeAndCache,
+    FlashAttentionScore and PagedAttention are not called; the cache arguments are unused."""
+    def construct(self, hidden_states, attention_mask, key_value_states=None,
+                  rotary_pos_cos=None, rotary_pos_sin=None, position_ids=None,
+                  batch_valid_length=None, block_tables=None, slot_mapping=None, q_seq_lens=None,
+                  actual_seq_qlen=None, actual_seq_kvlen=None, context_lens_tensor=None,
+                  key_cache=None, value_cache=None, q_seq_lens_cpu=None,
+                  batch_valid_length_cpu=None, context_lens_tensor_cpu=None):
+        latent, k_pe, q_nope, q_pe = self.compute_kv(hidden_states, batch_valid_length,
+                                                     rotary_pos_cos, rotary_pos_sin)
+        latent = mint.cat((latent, k_pe.reshape(latent.shape[0], -1)), -1)
+        out = self.cpu_attention(q_nope, q_pe, latent, self.kv_cache_cpu, position_ids,
+                                 slot_mapping, block_tables, batch_valid_length, q_seq_lens)
+        return self.linear_proj(out)
+
+    return construct
+
+
+def bind_mla_attention(attention, block_size: int) -> MLAAttention:
+    """Give one mf MLASelfAttention its CPU kernel, with mf's softmax scale (YaRN mscale
+    included); its cache comes with allocation, its absorbed weights with `absorb_mla`."""
+    config = attention.config
+    attention.cpu_attention = MLAAttention(
+        attention.num_attention_heads_per_partition, config.kv_lora_rank, config.qk_head_dim,
+        config.qk_pos_emb_head_dim, config.v_head_dim, attention.softmax_scale, block_size)
+    return attention.cpu_attention
+
+
+def absorb_mla(attention, prefix: str) -> None:
+    """After mf's process_weights_after_loading: its q_absorb [H, dn, r] and out_absorb
+    [H, dv, r] become the kernel's W_UK / W_UV; linear_kv_up_proj (used only by mf's Ascend
+    prefill path) and the absorbed copies are dropped."""
+    attention.cpu_attention.set_absorbed(to_host(attention.q_absorb),
+                                         to_host(attention.out_absorb),
+                                         attention.linear_kv_up_proj.weight.dtype,
+                                         f"{prefix}.cpu_attention")
+    attention.linear_kv_up_proj = None
+    attention.q_absorb = attention.out_absorb = None

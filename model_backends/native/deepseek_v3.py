@@ -10,7 +10,6 @@ num_hidden_layers) are not built and their tensors are skipped.
 """
 
 import math
-import re
 
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
@@ -19,13 +18,13 @@ from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Lin
                                           RowParallelLinear, tp_rank_and_size)
 from model_backends.native.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from model_backends.native.moe import RoutedExperts
+from model_backends.native.weights import is_mtp_tensor
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.moe import group_limited_topk
 
 # HF's DeepseekV3RMSNorm default: q_a_layernorm / kv_a_layernorm are built without the config eps.
 _LORA_NORM_EPS = 1e-6
-_MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
@@ -202,8 +201,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return {name: spec for name in self.attention_layers()}
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
-        match = _MTP_LAYER.match(name)
-        if match and int(match.group(1)) >= self.config.num_hidden_layers:
-            return None  # multi-token-prediction layers: not used for generation
+        if is_mtp_tensor(name, self.config.num_hidden_layers):
+            return None
         name = ExpertShard.for_rank(self.config.n_routed_experts).local_name(name)
         return None if name is None else super().checkpoint_name_to_param(name)

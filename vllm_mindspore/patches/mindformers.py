@@ -149,6 +149,15 @@ MINDFORMERS_PATCHES: list[Patch] = [
         "reduction stay mf's."),
           package="mindformers", version=MINDFORMERS_VERSION,
           replacement=_substitute("moe_layer_construct"), when=_on_cpu),
+    Patch(target=f"{_INFERENCE}.transformer.multi_latent_attention:MLASelfAttention.construct",
+          reason=(
+        "MLASelfAttention writes its latent with ReshapeAndCache and attends with "
+        "FlashAttentionScore (prefill) or PagedAttention's MLA mode, none of which has a CPU "
+        "kernel: mf's own compute_kv (projections, norms, rope) feeds this project's MLA CPU "
+        "kernel, which caches the latent and attends every request of a packed step with "
+        "mf's absorbed W_UK / W_UV and softmax scale."),
+          package="mindformers", version=MINDFORMERS_VERSION,
+          replacement=_substitute("mla_construct"), when=_on_cpu),
 ]
 
 
