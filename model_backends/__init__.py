@@ -38,6 +38,10 @@ _NATIVE_BACKEND = "model_backends.native.backend:NativeBackend"
 _MINDFORMERS_MODELS = {
     "Qwen2ForCausalLM": "mindformers.models.qwen2.modeling_qwen2_infer:InferenceQwen2ForCausalLM",
     "Qwen3ForCausalLM": "mindformers.models.qwen3.modeling_qwen3_infer:InferenceQwen3ForCausalLM",
+    "Qwen3MoeForCausalLM":
+        "mindformers.models.qwen3_moe.modeling_qwen3_moe_infer:InferenceQwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM":
+        "mindformers.models.deepseek3.modeling_deepseek_v3_infer:InferenceDeepseekV3ForCausalLM",
 }
 
 _MINDFORMERS_MISSING = {"LlamaForCausalLM": "mindformers 2.0.0 has no inference (mcore) Llama class"}

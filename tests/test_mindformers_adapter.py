@@ -1,6 +1,7 @@
 """MindFormersBackend on CPU: mindformers' own mcore classes (InferenceQwen3ForCausalLM,
-InferenceQwen2ForCausalLM) run this project's steps and give HF transformers' logits and greedy
-tokens on the same weights (float32).
+InferenceQwen2ForCausalLM, InferenceQwen3MoeForCausalLM, InferenceDeepseekV3ForCausalLM) run
+this project's steps and give HF transformers' logits and greedy tokens on the same weights
+(float32).
 
 The steps are built as the model runner builds them (AttentionMetadata.build, padded to a
 compiled token count): several requests of different lengths prefilled together, one of them
@@ -9,7 +10,7 @@ in two chunks, a request whose first block is a prefix-cache hit, then decodes o
 
 import numpy as np
 import pytest
-from conftest import HFReference, assert_matches_hf, needs_mindformers
+from conftest import HFReference, assert_matches_hf, finish_deepseek_checkpoint, needs_mindformers
 
 from model_backends.contract import StepTensors
 
@@ -21,12 +22,45 @@ GRAPH_TOKENS = (8, 32)  # the padded token counts compiled, as the runner's Grap
 DECODES = 4
 LOGPROB_TOL = 1e-4  # float32 against HF's float32
 
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 decoder_sparse_step=1, mlp_only_layers=[])
+# Layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups, 2 groups kept, top-4, a shared expert.
+# top_k / topk_group = 2 makes mindformers' group score (the sum of each group's top
+# top_k // topk_group) HF's top-2 sum; the checkpoint's non-negative expert bias keeps every
+# biased score positive, where mindformers' 0.0 mask of the dropped groups equals HF's -inf.
+DEEPSEEK = dict(
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=32, first_k_dense_replace=1)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's: mscale == mscale_all_dim
+FIRST_SPARSE_LAYER = {"Qwen3MoeForCausalLM": 0,
+                      "DeepseekV3ForCausalLM": DEEPSEEK["first_k_dense_replace"]}
+DEEPSEEK_CLASS = ("mindformers.models.deepseek3.modeling_deepseek_v3_infer."
+                  "InferenceDeepseekV3ForCausalLM")
+
+# name -> (architecture, tiny-config overrides, the mindformers class expected to run)
 MODELS = {
-    "Qwen3ForCausalLM": "mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM",
+    "qwen3": ("Qwen3ForCausalLM", {},
+              "mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM"),
     # Qwen2: q/k/v bias and no q/k norm; tied embeddings and head_dim != hidden / heads.
-    "Qwen2ForCausalLM": "mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM",
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, head_dim=24),
+              "mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM"),
+    # Every layer sparse (mindformers' only layout), top-2 of 8 experts, both weightings.
+    **{f"qwen3-moe-norm-{norm}": (
+        "Qwen3MoeForCausalLM", dict(QWEN3_MOE, norm_topk_prob=norm),
+        "mindformers.models.qwen3_moe.modeling_qwen3_moe_infer.InferenceQwen3MoeForCausalLM")
+       for norm in (True, False)},
+    # MLA over a latent cache, grouped sigmoid routing with an expert bias, multi-token-
+    # prediction tensors in the checkpoint (skipped).
+    "deepseek-v3-yarn": ("DeepseekV3ForCausalLM", dict(
+        DEEPSEEK, rope_parameters=YARN, routed_scaling_factor=2.5, norm_topk_prob=True),
+        DEEPSEEK_CLASS),
+    "deepseek-v3-rope": ("DeepseekV3ForCausalLM", dict(
+        DEEPSEEK, routed_scaling_factor=1.5, norm_topk_prob=False), DEEPSEEK_CLASS),
 }
-OVERRIDES = {"Qwen2ForCausalLM": dict(tie_word_embeddings=True, head_dim=24)}
 
 
 class Request:
@@ -39,15 +73,15 @@ class Request:
         self.logprobs: list[np.ndarray] = []  # full-vocabulary, one per generated token
 
 
-def build(arch: str, model_dir: str):
-    """MindFormersBackend.build + load_weights, as build_backend does for the registry's entry."""
+def build(model_class: str, model_dir: str):
+    """MindFormersBackend.build + load_weights, as build_backend does for a registry entry."""
     import mindspore as ms
 
     from model_backends.mindformers.backend import MindFormersBackend
 
-    model_class = ":".join(MODELS.get(arch, "mindformers:Unknown").rsplit(".", 1))
-    backend = MindFormersBackend.build(model_class, vllm_config(model_dir), BLOCK_SIZE,
-                                       ms.float32, static_shapes=True)
+    backend = MindFormersBackend.build(":".join(model_class.rsplit(".", 1)),
+                                       vllm_config(model_dir), BLOCK_SIZE, ms.float32,
+                                       static_shapes=True)
     backend.load_weights(model_dir, None)
     return backend
 
@@ -110,10 +144,13 @@ def served(request, tiny_model_factory):
     """(architecture, model dir, backend, requests) after the scenario of the module docstring."""
     import mindspore as ms
 
-    arch = request.param
-    model_dir = tiny_model_factory(arch, **OVERRIDES.get(arch, {}))
+    name = request.param
+    arch, overrides, model_class = MODELS[name]
+    model_dir = tiny_model_factory(arch, **overrides)
+    if arch == "DeepseekV3ForCausalLM":
+        finish_deepseek_checkpoint(model_dir, non_negative_bias=True)
     ms.set_context(mode=ms.GRAPH_MODE)  # the device: CPU, MindSpore's default here
-    backend = build(arch, model_dir)
+    backend = build(model_class, model_dir)
     backend.allocate_kv_cache(num_blocks=8)
     for size in GRAPH_TOKENS:
         backend.compile_step(make_step([], size))
@@ -131,31 +168,56 @@ def served(request, tiny_model_factory):
     requests = [short, long_, chunked, prefix_hit]
     for _ in range(DECODES):
         run_step(backend, [(r, 1) for r in requests])
-    return arch, model_dir, backend, requests, compiled
+    return name, model_dir, backend, requests, compiled
 
 
 def test_the_mindformers_class_runs(served):
-    arch, _, backend, _, compiled = served
+    name, _, backend, _, compiled = served
     assert backend.name == "MindFormers"
-    assert backend.implementation == MODELS[arch]
+    assert backend.implementation == MODELS[name][2]
+    first_sparse = FIRST_SPARSE_LAYER.get(MODELS[name][0])
+    layers = backend.network.model.decoder.layers
+    for layer in [] if first_sparse is None else layers[first_sparse:]:
+        # mf's MoELayer, its GroupedMLP packed for the CPU experts kernel and dropped.
+        assert type(layer.mlp).__name__ == "MoELayer"
+        assert layer.mlp.experts is None and layer.mlp.cpu_experts.w13 is not None
     # Every step ran on the graphs compiled up front: 2 token counts + 1 logits row count.
     assert compiled == len(GRAPH_TOKENS) + 1 == backend.num_compiled_graphs()
     assert backend.weight_bytes() > 0
 
 
+def test_deepseek_kv_cache_is_the_latent(served):
+    """One cache per layer of kv_lora_rank + qk_rope_head_dim values a token, as vLLM's
+    MLAAttentionSpec accounts for."""
+    import torch
+
+    name, _, backend, _, _ = served
+    if MODELS[name][0] != "DeepseekV3ForCausalLM":
+        pytest.skip("not an MLA model")
+    latent = DEEPSEEK["kv_lora_rank"] + DEEPSEEK["qk_rope_head_dim"]
+    for spec in backend.kv_cache_spec(BLOCK_SIZE, torch.float32).values():
+        assert type(spec).__name__ == "MLAAttentionSpec"
+        assert spec.page_size_bytes == BLOCK_SIZE * latent * 4
+    for layer in backend.network.model.decoder.layers:
+        attention = layer.self_attention
+        assert type(attention).__name__ == "MLASelfAttention"
+        assert tuple(attention.kv_cache_cpu.shape) == (8, latent, BLOCK_SIZE)
+        assert attention.linear_kv_up_proj is None  # absorbed into the kernel's W_UK / W_UV
+
+
 def test_greedy_tokens_and_logprobs_match_hf(served):
-    arch, model_dir, _, requests, _ = served
+    name, model_dir, _, requests, _ = served
     reference = HFReference(model_dir)
     worst = 0.0
-    for name, request in zip(("short", "long", "chunked", "prefix-hit"), requests):
+    for kind, request in zip(("short", "long", "chunked", "prefix-hit"), requests):
         prompt = request.tokens[:request.prompt_len]
         ref_tokens, ref_steps = reference.greedy(prompt, len(request.generated))
         chosen = [float(lp[t]) for lp, t in zip(request.logprobs, request.generated)]
-        assert_matches_hf(request.generated, chosen, ref_tokens, ref_steps, f"{arch} {name}")
+        assert_matches_hf(request.generated, chosen, ref_tokens, ref_steps, f"{name} {kind}")
         for ours, ref in zip(request.logprobs, ref_steps):
             worst = max(worst, float(np.abs(ours - ref.numpy()).max()))
     assert len(requests[0].generated) == DECODES + 2
-    assert worst < LOGPROB_TOL, f"{arch}: full-vocabulary logprobs differ from HF by {worst:.2e}"
+    assert worst < LOGPROB_TOL, f"{name}: full-vocabulary logprobs differ from HF by {worst:.2e}"
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypatch):
@@ -168,18 +230,44 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypat
     model_dir = tiny_model_factory("Qwen2ForCausalLM")
     with pytest.raises(WeightLoadError, match=r"6 checkpoint tensor\(s\) fit no parameter: "
                                               r"model.layers.0.self_attn.k_proj.bias"):
-        build("Qwen2ForCausalLM", model_dir)
+        build(MODELS["qwen2"][2], model_dir)
 
 
-@pytest.mark.parametrize("arch, dtype, expected", [
-    ("LlamaForCausalLM", "float32", "no mcore Llama class"),
-    ("Qwen3ForCausalLM", "bfloat16", "bfloat16 on CPU"),
+@pytest.mark.parametrize("arch, overrides, dtype, expected", [
+    ("LlamaForCausalLM", {}, "float32", "no mcore Llama class"),
+    ("Qwen3ForCausalLM", {}, "bfloat16", "bfloat16 on CPU"),
+    # mindformers' Qwen3-MoE drops both fields and makes every layer sparse.
+    ("Qwen3MoeForCausalLM", dict(QWEN3_MOE, mlp_only_layers=[1]), "float32",
+     r"mlp_only_layers=\[1\] \(config.json\)"),
+    ("Qwen3MoeForCausalLM", dict(QWEN3_MOE, decoder_sparse_step=2), "float32",
+     r"decoder_sparse_step=2 \(config.json\)"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None), "float32",
+     r"q_lora_rank=null \(config.json\)"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rope_interleave=False), "float32",
+     r"rope_interleave=false \(config.json\)"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, rms_norm_eps=1e-5), "float32",
+     r"rms_norm_eps=1e-05 \(config.json\)"),
 ])
-def test_unsupported_configurations_are_refused(tiny_model_factory, arch, dtype, expected):
+def test_unsupported_configurations_are_refused(tiny_model_factory, arch, overrides, dtype,
+                                                expected):
     import mindspore as ms
 
     from model_backends.mindformers.backend import check_supported
     from model_backends.mindformers.config import UnsupportedByMindFormersError
 
     with pytest.raises(UnsupportedByMindFormersError, match=expected):
-        check_supported(vllm_config(tiny_model_factory(arch)), getattr(ms, dtype))
+        check_supported(vllm_config(tiny_model_factory(arch, **overrides)), getattr(ms, dtype))
+
+
+@pytest.mark.parametrize("rope, expected", [
+    (dict(YARN, mscale_all_dim=0.8), (r"mscale=1.0 != mscale_all_dim=0.8: mindformers' MLA "
+                                      r"softmax scale is mscale\(factor, mscale\)\^2")),
+    (dict(YARN, attention_factor=1.2), "attention_factor: mindformers' YaRN has no such field"),
+])
+def test_yarn_mindformers_computes_otherwise_is_refused(rope, expected):
+    from types import SimpleNamespace
+
+    from model_backends.mindformers.config import UnsupportedByMindFormersError, rope_settings
+
+    with pytest.raises(UnsupportedByMindFormersError, match=expected):
+        rope_settings("DeepseekV3ForCausalLM", SimpleNamespace(rope_parameters=rope))

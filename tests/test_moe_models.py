@@ -8,7 +8,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import PROMPTS, HFReference, assert_matches_hf
+from conftest import PROMPTS, HFReference, assert_matches_hf, finish_deepseek_checkpoint
 
 MAX_TOKENS = 10
 BLOCK_SIZE = 16
@@ -45,32 +45,6 @@ MODELS = {
 
 def latent_size(config: dict) -> int:
     return config["kv_lora_rank"] + config["qk_rope_head_dim"]
-
-
-def finish_deepseek_checkpoint(model_dir: str) -> None:
-    """What the factory's random init leaves out of a real checkpoint: a non-zero
-    e_score_correction_bias (HF keeps it a zero buffer), and a multi-token-prediction layer
-    (index num_hidden_layers) in its own shard, which HF ignores and the server must skip."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    if os.path.exists(os.path.join(model_dir, "mtp.safetensors")):
-        return
-    path = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(path)
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in tensors.items():
-        if name.endswith("e_score_correction_bias"):
-            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
-    save_file(tensors, path, metadata={"format": "pt"})
-    config = json.load(open(os.path.join(model_dir, "config.json")))
-    mtp, hidden = f"model.layers.{config['num_hidden_layers']}", config["hidden_size"]
-    save_file({f"{mtp}.enorm.weight": torch.ones(hidden), f"{mtp}.hnorm.weight": torch.ones(hidden),
-               f"{mtp}.eh_proj.weight": torch.zeros(hidden, 2 * hidden),
-               f"{mtp}.shared_head.norm.weight": torch.ones(hidden),
-               f"{mtp}.mlp.experts.0.gate_proj.weight": tensors[
-                   "model.layers.1.mlp.experts.0.gate_proj.weight"]},
-              os.path.join(model_dir, "mtp.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,48 @@ from vllm_mindspore.config import (apply_to_vllm_config, cross_check, load_mindf
 CLI_DEFAULTS_APPLIED_ENV = "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED"
 
 
+HF_LATENT_NORM_EPS = 1e-6
+
+
+def unexpressible_fields(arch: str | None, hf_text_config) -> list[str]:
+    """config.json settings mindformers 2.0.0's class cannot express (it would run another
+    model than HF's): its Qwen3-MoE drops decoder_sparse_step and mlp_only_layers and makes
+    every layer sparse; its DeepSeek-V3 loads no `self_attn.q_proj` (no weight_mapping entry,
+    and no rope permutation for it), permutes every checkpoint's rope rows from the
+    interleaved layout and normalises the latents with rms_norm_eps."""
+    problems = []
+    if arch == "Qwen3MoeForCausalLM":
+        if hf_text_config.decoder_sparse_step != 1:
+            problems.append(f"decoder_sparse_step={hf_text_config.decoder_sparse_step} "
+                            "(config.json): mindformers' Qwen3-MoE makes every layer sparse (it "
+                            "ignores the field)")
+        if hf_text_config.mlp_only_layers:
+            problems.append(f"mlp_only_layers={list(hf_text_config.mlp_only_layers)} "
+                            "(config.json): mindformers' Qwen3-MoE has no dense layers (it "
+                            "ignores the field)")
+    if arch == "DeepseekV3ForCausalLM":
+        if hf_text_config.q_lora_rank is None:
+            problems.append("q_lora_rank=null (config.json): mindformers 2.0.0's DeepSeek-V3 "
+                            "has no checkpoint name for self_attn.q_proj (weight_mapping) nor "
+                            "the rope permutation its rows need")
+        if hf_text_config.rms_norm_eps != HF_LATENT_NORM_EPS:
+            problems.append(f"rms_norm_eps={hf_text_config.rms_norm_eps} (config.json): "
+                            "mindformers' DeepSeek-V3 also gives it to the q/kv latent norms, "
+                            f"which HF builds with eps {HF_LATENT_NORM_EPS}")
+        if not getattr(hf_text_config, "rope_interleave", True):
+            problems.append("rope_interleave=false (config.json): mindformers' DeepSeek-V3 "
+                            "takes every checkpoint's q/k rope rows as interleaved")
+    return problems
+
+
 def package_limits(vllm_config) -> list[str]:
     """What in vLLM's config mindformers' own classes do not run here yet (the native
     implementation, configured from the YAML, runs it instead, and the log says why)."""
     from vllm_mindspore.platform import ASCEND, kernel_device
 
-    limits = []
+    model_config = vllm_config.model_config
+    architectures = list(getattr(model_config.hf_config, "architectures", None) or [None])
+    limits = unexpressible_fields(architectures[0], model_config.hf_text_config)
     if vllm_config.model_config.quantization:
         limits.append(f"--quantization {vllm_config.model_config.quantization} (mindformers' "
                       "quantized layers are Ascend-only)")
@@ -32,6 +68,8 @@ def package_limits(vllm_config) -> list[str]:
                       "graphs are not written yet)")
     if vllm_config.parallel_config.tensor_parallel_size != 1:
         limits.append("tensor parallelism (not wired to mindformers' parallel state yet)")
+    if vllm_config.parallel_config.enable_expert_parallel:
+        limits.append("expert parallelism (mindformers' expert dispatch is not substituted on CPU)")
     return limits
 
 

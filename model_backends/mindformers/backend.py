@@ -15,11 +15,13 @@ from safetensors import safe_open
 
 from model_backends import MINDFORMERS
 from model_backends.mindformers import package_limits
-from model_backends.mindformers.config import UnsupportedByMindFormersError, mindformers_config
-from model_backends.native.weights import WeightLoadError, safetensors_files
+from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByMindFormersError,
+                                               mindformers_config)
+from model_backends.native.weights import WeightLoadError, is_mtp_tensor, safetensors_files
 from vllm_mindspore.platform import ASCEND, kernel_device
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "DeepseekV3ForCausalLM")
 
 
 class _CheckpointSlice:
@@ -54,6 +56,7 @@ class LogitsHead(nn.Cell):
         return self.output_layer(hidden).astype(ms.float32)
 
 
+# HF's DeepSeek-V3 q_a_layernorm / kv_a_layernorm: built with the RMSNorm default eps.
 def check_supported(vllm_config, dtype) -> str:
     """-> the architecture; refuses what this backend cannot run yet, naming the alternative."""
     model_config = vllm_config.model_config
@@ -63,8 +66,7 @@ def check_supported(vllm_config, dtype) -> str:
     if arch is None:
         problems.append(f"architecture(s) {architectures}: the MindFormers backend runs "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} so far (mindformers 2.0.0 has no "
-                        "mcore Llama class; Qwen3-MoE and DeepSeek-V3 wait for CPU stand-ins of "
-                        "mf's MoE and MLA ops)")
+                        "mcore Llama class)")
     problems += package_limits(vllm_config)
     if kernel_device() != ASCEND and dtype == ms.bfloat16:
         problems.append("--dtype bfloat16 on CPU: MindSpore has no bfloat16 matmul there; use "
@@ -82,9 +84,10 @@ class MindFormersBackend:
 
     name = MINDFORMERS
 
-    def __init__(self, network, vllm_config, dtype):
+    def __init__(self, network, vllm_config, dtype, mla: bool):
         self.network = network
         self.dtype = dtype
+        self.mla = mla  # multi-latent attention: one latent cache per layer
         self.implementation = f"{type(network).__module__}.{type(network).__qualname__}"
         self.hidden_size = vllm_config.model_config.get_hidden_size()
         self.logits_head = LogitsHead(network.model.output_layer)
@@ -104,7 +107,8 @@ class MindFormersBackend:
         from mindformers.core.context import build_mf_context
         from mindspore.nn.utils import no_init_parameters
 
-        from model_backends.mindformers.cpu_substitutes import bind_paged_attention
+        from model_backends.mindformers.cpu_substitutes import (bind_mla_attention,
+                                                                 bind_paged_attention)
 
         config = mindformers_config(vllm_config, arch, block_size, dtype, kernel_device())
         build_mf_context(config)
@@ -121,17 +125,26 @@ class MindFormersBackend:
         model.move_lens_to_cpu = False  # MoveTo has no CPU kernel
         # Rope rows gathered by position for every token (the CPU rope takes per-token rows).
         network.add_flags_custom_mcore(is_prefill=False)
+        mla = arch in MLA_ARCHITECTURES
         for layer in model.decoder.layers:
-            bind_paged_attention(layer.self_attention.core_attention,
-                                 1.0 / layer.self_attention.norm_factor, block_size)
-        return cls(network, vllm_config, dtype)
+            attention = layer.self_attention
+            if mla:
+                bind_mla_attention(attention, block_size)
+            else:
+                bind_paged_attention(attention.core_attention, 1.0 / attention.norm_factor,
+                                     block_size)
+        return cls(network, vllm_config, dtype, mla)
 
     # ---- weights ---------------------------------------------------------------------------
     def _checkpoint(self, files: list[str], slices: list[_CheckpointSlice]):
-        """(mf name, slice) of every checkpoint tensor; each slice is also kept in `slices`."""
+        """(mf name, slice) of every checkpoint tensor but the multi-token-prediction layers'
+        (mindformers builds none for generation); each slice is also kept in `slices`."""
+        num_layers = len(self.network.model.decoder.layers)
         for path in files:
             with safe_open(path, framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle)
+                    if is_mtp_tensor(name, num_layers):
+                        continue
                     slices.append(_CheckpointSlice(name, handle.get_slice(name)))
                     yield self.network.convert_name(name), slices[-1]
 
@@ -163,6 +176,13 @@ class MindFormersBackend:
                 f"configured ({'; '.join(problems)}): config.json (or the YAML) and the weights "
                 "do not belong together.")
         network.process_weights_after_loading(network.model)
+        from model_backends.mindformers.cpu_substitutes import absorb_mla, bind_moe_experts
+
+        for index, layer in enumerate(network.model.decoder.layers):
+            if self.mla:
+                absorb_mla(layer.self_attention, f"model.layers.{index}.self_attn")
+            if hasattr(layer.mlp, "router"):  # an MoELayer
+                bind_moe_experts(layer.mlp, f"model.layers.{index}.mlp")
         self._weight_bytes = sum(p.nbytes for _, p in network.parameters_and_names())
 
     def weight_bytes(self) -> int:
@@ -170,13 +190,20 @@ class MindFormersBackend:
 
     # ---- KV cache --------------------------------------------------------------------------
     def _attention_cells(self) -> dict[str, nn.Cell]:
-        """vLLM layer name -> the mf attention cell holding that layer's caches."""
-        return {f"model.layers.{i}.self_attn.attn": layer.self_attention.core_attention
+        """vLLM layer name -> the mf attention cell holding that layer's caches (MLA: the
+        attention layer; else its core attention)."""
+        return {f"model.layers.{i}.self_attn.attn":
+                layer.self_attention if self.mla else layer.self_attention.core_attention
                 for i, layer in enumerate(self.network.model.decoder.layers)}
 
     def kv_cache_spec(self, block_size: int, torch_dtype):
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
+        if self.mla:  # one latent row per token: [c, k_pe]
+            return {name: MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
+                                           head_size=cell.cpu_attention.latent_size,
+                                           dtype=torch_dtype)
+                    for name, cell in self._attention_cells().items()}
         return {name: FullAttentionSpec(block_size=block_size, num_kv_heads=cell.kv_head_num,
                                         head_size=cell.hidden_size_per_attention_head,
                                         dtype=torch_dtype)
@@ -184,6 +211,11 @@ class MindFormersBackend:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         for name, cell in self._attention_cells().items():
+            if self.mla:
+                cell.kv_cache_cpu = Parameter(
+                    mint.zeros(cell.cpu_attention.cache_shape(num_blocks), dtype=self.dtype),
+                    name=f"{name}.kv_cache", requires_grad=False)
+                continue
             key_shape, value_shape = cell.cpu_attention.cache_shapes(num_blocks)
             cell.key_cache_cpu = Parameter(mint.zeros(key_shape, dtype=self.dtype),
                                            name=f"{name}.key_cache", requires_grad=False)

@@ -10,7 +10,6 @@ num_hidden_layers) are not built and their tensors are skipped.
 """
 
 import math
-import re
 
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
@@ -19,12 +18,13 @@ from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Lin
                                           RowParallelLinear, tp_rank_and_size)
 from model_backends.native.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from model_backends.native.moe import RoutedExperts
+from model_backends.native.weights import is_mtp_tensor
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.mla import MLAAttention
+from vllm_mindspore.ops.moe import group_limited_topk
 
 # HF's DeepseekV3RMSNorm default: q_a_layernorm / kv_a_layernorm are built without the config eps.
 _LORA_NORM_EPS = 1e-6
-_MTP_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
@@ -146,25 +146,15 @@ class DeepseekV3TopkRouter(nn.Cell):
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, hidden):
-        num_tokens = hidden.shape[0]
         logits = self.matmul(hidden.astype(ms.float32), self.weight.astype(ms.float32))
         scores = ops.sigmoid(logits)  # [T, E]
-        biased = scores + self.e_score_correction_bias
-        per_group = self.num_experts // self.num_groups
-        grouped = biased.reshape(num_tokens, self.num_groups, per_group)
-        group_scores = ops.topk(grouped, 2)[0].sum(-1)  # [T, G]: sum of each group's top-2
-        group_ids = ops.topk(group_scores, self.topk_group)[1]  # [T, topk_group]
-        group_mask = mint.sum(ops.one_hot(group_ids, self.num_groups, ops.ones((), ms.float32),
-                                          ops.zeros((), ms.float32)), 1)  # [T, G]
-        expert_mask = ops.broadcast_to(group_mask.expand_dims(-1),
-                                       (num_tokens, self.num_groups, per_group))
-        biased = ops.select(expert_mask.reshape(num_tokens, self.num_experts) > 0.5, biased,
-                            ops.full_like(biased, -1e30))
-        topk_ids = ops.topk(biased, self.top_k)[1]
+        # Groups ranked by their top-2 biased scores; the other groups' experts never chosen.
+        topk_ids = group_limited_topk(scores + self.e_score_correction_bias, self.top_k,
+                                      self.num_groups, self.topk_group, 2, -1e30)
         weights = ops.gather_elements(scores, 1, topk_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return weights * self.routed_scaling_factor, topk_ids.astype(ms.int32)
+        return weights * self.routed_scaling_factor, topk_ids
 
 
 class DeepseekV3MoE(RoutedExperts):
@@ -211,8 +201,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return {name: spec for name in self.attention_layers()}
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
-        match = _MTP_LAYER.match(name)
-        if match and int(match.group(1)) >= self.config.num_hidden_layers:
-            return None  # multi-token-prediction layers: not used for generation
+        if is_mtp_tensor(name, self.config.num_hidden_layers):
+            return None
         name = ExpertShard.for_rank(self.config.n_routed_experts).local_name(name)
         return None if name is None else super().checkpoint_name_to_param(name)

@@ -6,6 +6,7 @@ parameter's dtype and handed to MindSpore without another copy.
 
 import json
 import os
+import re
 from collections.abc import Callable
 
 import mindspore as ms
@@ -29,6 +30,16 @@ _CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float6
 
 class WeightLoadError(ValueError):
     pass
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
+    """A multi-token-prediction layer's tensor (DeepSeek-V3 checkpoints store them as layers
+    past num_hidden_layers): not used for generation."""
+    match = _LAYER_INDEX.match(name)
+    return bool(match) and int(match.group(1)) >= num_hidden_layers
 
 
 def safetensors_files(model_dir: str) -> list[str]:

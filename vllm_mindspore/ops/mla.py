@@ -69,8 +69,12 @@ class MLAAttention(nn.Cell):
         """kv_b_weight [H * (dn + dv), r] (this rank's heads of kv_b_proj.weight) -> W_UK, W_UV."""
         kv_b = to_host(kv_b_weight).reshape(self.num_heads, -1, self.kv_lora_rank)
         dn = self.qk_nope_head_dim
-        self.w_uk = parameter(kv_b[:, :dn], kv_b_weight.dtype, f"{prefix}.w_uk")
-        self.w_uv = parameter(kv_b[:, dn:], kv_b_weight.dtype, f"{prefix}.w_uv")
+        self.set_absorbed(kv_b[:, :dn], kv_b[:, dn:], kv_b_weight.dtype, prefix)
+
+    def set_absorbed(self, w_uk, w_uv, dtype, prefix: str) -> None:
+        """Host arrays w_uk [H, dn, r] and w_uv [H, dv, r] -> the absorbed weights."""
+        self.w_uk = parameter(w_uk, dtype, f"{prefix}.w_uk")
+        self.w_uv = parameter(w_uv, dtype, f"{prefix}.w_uv")
 
     def construct(self, q_nope, q_pe, latent, cache, positions, slot_mapping, block_tables,
                   batch_valid_length, q_seq_lens, prefill_only: bool = False):

@@ -38,6 +38,27 @@ from vllm_mindspore.ops.quant import QuantExperts
 from vllm_mindspore.platform import ASCEND, kernel_device
 
 
+def group_limited_topk(choice, top_k: int, num_groups: int, topk_group: int, group_top_n: int,
+                       masked_value: float):
+    """choice [T, E] float32 -> expert ids [T, top_k] int32: the top-k experts among the
+    `topk_group` groups (E / num_groups consecutive experts each) whose best `group_top_n`
+    choice scores sum highest; the other groups' experts score `masked_value`. The models
+    differ in `group_top_n` and `masked_value` (DeepSeek in HF and vLLM: 2 and -inf; in
+    mindformers: top_k // topk_group and 0.0)."""
+    num_tokens, num_experts = choice.shape
+    per_group = num_experts // num_groups
+    grouped = choice.reshape(num_tokens, num_groups, per_group)
+    group_scores = ops.topk(grouped, group_top_n)[0].sum(-1)  # [T, G]
+    group_ids = ops.topk(group_scores, topk_group)[1]  # [T, topk_group]
+    group_mask = mint.sum(ops.one_hot(group_ids, num_groups, ops.ones((), ms.float32),
+                                      ops.zeros((), ms.float32)), 1)  # [T, G]
+    expert_mask = ops.broadcast_to(group_mask.expand_dims(-1),
+                                   (num_tokens, num_groups, per_group))
+    masked = ops.select(expert_mask.reshape(num_tokens, num_experts) > 0.5, choice,
+                        ops.full_like(choice, masked_value))
+    return ops.topk(masked, top_k)[1].astype(ms.int32)
+
+
 class MoEDispatch(nn.Cell):
     """hidden [T, D], topk_weights [T, K] float32, topk_ids [T, K] int32 (global expert ids)
     -> [T, D]: sum over k of weight * expert_k(hidden), over this rank's experts (all ranks'
@@ -74,12 +95,16 @@ class MoEDispatch(nn.Cell):
                                               [e.down_proj.quant_arrays() for e in experts],
                                               experts[0].down_proj.dtype, f"{prefix}.quant")
             return
-        dtype = experts[0].down_proj.weight.dtype
+        self.set_weights([to_host(e.gate_up_proj.weight) for e in experts],
+                         [to_host(e.down_proj.weight) for e in experts],
+                         experts[0].down_proj.weight.dtype, prefix)
+
+    def set_weights(self, gate_up, down, dtype, prefix: str) -> None:
+        """Each expert's float weights as host arrays [out, in]: gate_up [2I, D] (gate first),
+        down [D, I] -> w13 and w2 in this device's layout (see `stack_experts`)."""
         layout = (lambda w: w.T) if self.grouped else pack_panels
-        self.w13 = parameter(np.stack([layout(to_host(e.gate_up_proj.weight)) for e in experts]),
-                             dtype, f"{prefix}.w13")
-        self.w2 = parameter(np.stack([layout(to_host(e.down_proj.weight)) for e in experts]),
-                            dtype, f"{prefix}.w2")
+        self.w13 = parameter(np.stack([layout(w) for w in gate_up]), dtype, f"{prefix}.w13")
+        self.w2 = parameter(np.stack([layout(w) for w in down]), dtype, f"{prefix}.w2")
 
     def construct(self, hidden, topk_weights, topk_ids):
         if self.ep_size == 1:

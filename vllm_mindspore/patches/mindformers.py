@@ -134,6 +134,30 @@ MINDFORMERS_PATCHES: list[Patch] = [
         "every request of a packed step (prefills, chunks, prefix hits, decodes) in one call."),
           package="mindformers", version=MINDFORMERS_VERSION,
           replacement=_substitute("paged_attention_construct"), when=_on_cpu),
+    Patch(target=f"{_INFERENCE}.transformer.moe.router:TopKRouter.routing", reason=(
+        "TopKRouter's routing (topk_routing_with_score_function) calls TopkExt (mint.topk), "
+        "InplaceScatter and RepeatInterleaveInt, which have no CPU kernel: the same routing "
+        "(score function, expert bias for the choice only, mf's group ranking and 0.0 mask, "
+        "normalisation and scaling) is made of TopK, OneHot, Select and GatherElements."),
+          package="mindformers", version=MINDFORMERS_VERSION,
+          replacement=_substitute("topk_routing"), when=_on_cpu),
+    Patch(target=f"{_INFERENCE}.transformer.moe.moe_layer:MoELayer.construct", reason=(
+        "MoELayer dispatches through MoeInitRoutingV2, IndexSelect, GroupedMatmulV4 and "
+        "MoeTokenUnpermute, which have no CPU kernel: the router's choice runs this project's "
+        "MoeExperts CPU kernel (each expert over exactly its tokens, weighted sum back) on the "
+        "GroupedMLP weights packed after loading; the shared experts and the tensor-parallel "
+        "reduction stay mf's."),
+          package="mindformers", version=MINDFORMERS_VERSION,
+          replacement=_substitute("moe_layer_construct"), when=_on_cpu),
+    Patch(target=f"{_INFERENCE}.transformer.multi_latent_attention:MLASelfAttention.construct",
+          reason=(
+        "MLASelfAttention writes its latent with ReshapeAndCache and attends with "
+        "FlashAttentionScore (prefill) or PagedAttention's MLA mode, none of which has a CPU "
+        "kernel: mf's own compute_kv (projections, norms, rope) feeds this project's MLA CPU "
+        "kernel, which caches the latent and attends every request of a packed step with "
+        "mf's absorbed W_UK / W_UV and softmax scale."),
+          package="mindformers", version=MINDFORMERS_VERSION,
+          replacement=_substitute("mla_construct"), when=_on_cpu),
 ]
 
 
