@@ -12,11 +12,15 @@ pytestmark = needs_mindformers()
 
 
 def run_python(code: str) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON line last."""
+    """Run `code` in a fresh interpreter; it prints one line `RESULT <json>` (mindformers may
+    print its own lines, at exit too, e.g. when this process built a model before and its
+    environment variables are inherited)."""
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, result.stdout[-3000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
 
 
 def test_import_mindformers_lists_the_mcore_models():
@@ -30,7 +34,7 @@ from mindformers.tools.register.register import MindFormerModuleType, MindFormer
 models = MindFormerRegister.registry[MindFormerModuleType.MODELS]
 stubbed = sorted(n for n in (s.name for s in MODULE_STUBS)
                  if n in sys.modules and not getattr(sys.modules[n], "__file__", None))
-print(json.dumps({"missing": missing, "stubbed": stubbed,
+print("RESULT", json.dumps({"missing": missing, "stubbed": stubbed,
                   "mcore": sorted(n for n in models if n.startswith("mcore_")),
                   "deprecated": sys.modules["deprecated"].__file__}))
 """)
@@ -48,7 +52,7 @@ from vllm_mindspore.patches import mindformers as patches
 patches.MODULE_STUBS += (patches.ModuleStub("yaml", "<test>"),)
 stubbed = patches.install_module_stubs()
 import yaml
-print(json.dumps({"stubbed": sorted(stubbed), "yaml": yaml.__file__}))
+print("RESULT", json.dumps({"stubbed": sorted(stubbed), "yaml": yaml.__file__}))
 """)
     assert "yaml" not in found["stubbed"] and found["yaml"].endswith(".py")
 
@@ -61,6 +65,6 @@ import json, sys
 import vllm_mindspore
 vllm_mindspore.register_general()
 import vllm_mindspore.platform, model_backends.mindformers, model_backends.mindformers.backend
-print(json.dumps({"imported": "mindformers" in sys.modules}))
+print("RESULT", json.dumps({"imported": "mindformers" in sys.modules}))
 """)
     assert found == {"imported": False}
