@@ -30,8 +30,6 @@ def package_limits(vllm_config) -> list[str]:
     if kernel_device() == ASCEND:
         limits.append("Ascend (the adapter's FlashAttention prefill and PagedAttention increment "
                       "graphs are not written yet)")
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        limits.append("tensor parallelism (not wired to mindformers' parallel state yet)")
     return limits
 
 

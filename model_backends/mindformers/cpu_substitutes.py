@@ -84,3 +84,19 @@ def bind_paged_attention(core_attention, scale: float, block_size: int) -> Paged
         core_attention.head_num, core_attention.kv_head_num,
         core_attention.hidden_size_per_attention_head, scale, block_size)
     return core_attention.cpu_attention
+
+
+def world_group_init(original):
+    """ProcessGroup.__init__ naming a group that spans MindSpore's whole world (the engine's TP
+    ranks, see vllm_mindspore.distributed.communication) by the world group's name: MindSpore's
+    CPU AllGather runs on the world group only. The world group exists already, so mindformers
+    does not create a copy of it."""
+    def __init__(self, group=None, global_ranks=None, size=1, rank=0):
+        from mindspore.communication import GlobalComm, get_group_size
+
+        if group is not None and global_ranks is not None \
+                and sorted(global_ranks) == list(range(get_group_size())):
+            group = GlobalComm.WORLD_COMM_GROUP
+        original(self, group, global_ranks, size, rank)
+
+    return __init__
