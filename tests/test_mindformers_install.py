@@ -12,11 +12,14 @@ pytestmark = needs_mindformers()
 
 
 def run_python(code: str) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON line last."""
+    """Run `code` in a fresh interpreter -> the last JSON line it prints. MindSpore may print
+    after it at exit ("[MS_ALLOC_CONF] config: ..." once mindformers' build_mf_context, run by
+    an earlier test in this process, has set MS_ALLOC_CONF in the inherited environment)."""
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in reversed(result.stdout.splitlines())
+                           if line.startswith("{")))
 
 
 def test_import_mindformers_lists_the_mcore_models():
