@@ -7,7 +7,8 @@ YAML; the real demo model trains for ~90 s). The quickstart's `serve` (one rank,
 answers the quickstart's curl requests and gives the reference tokens. The rehearsal then runs as
 written: env file, `scripts/ray_cluster.py head` on 127.0.0.1 with 2 NPU resources, `status`,
 `eval "$(... env)"` + `vllm-mindspore serve --tensor-parallel-size 2 --distributed-executor-backend
-ray` with the MindFormers backend, curl, `stop`; its tokens must equal the reference.
+ray` with the MindFormers backend (mindformers' own Qwen2 class when the package is installed), curl,
+`stop`; its tokens must equal the reference.
 
 Isolation: loopback only (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, else Ray binds the routable address), free ports for every Ray port, a token of this
 cluster's own, the script's --state-dir in the test's folder, and Ray's processes (one session,
@@ -32,6 +33,8 @@ import psutil
 import pytest
 from conftest import PROMPTS, ROOT, free_port, greedy_tokens, slow
 from test_docs_blocks import BlockServer, block_env, doc_block, make_workdir, replace_checked, run_block
+
+from model_backends import mindformers_installed
 
 SCRIPT = "scripts/ray_cluster.py"
 # Bounds for a shared 2-core machine, added to the docs' commands: a small KV cache instead of
@@ -181,6 +184,11 @@ def test_tp2_over_ray_matches_tp1(rehearsal, tp1_tokens, cluster, tmp_path):
     assert "tensor_parallel_size=2 (given explicitly) overrides parallel_config.model_parallel=1" in log
     for rank in (0, 1):
         assert f"MindSpore communication up: rank {rank} of 2" in log
+    if mindformers_installed():
+        # Not counted per rank: Ray may fold lines that differ only in words with digits (rank,
+        # pid, time) into one "[repeated 2x across cluster]".
+        assert ("Built mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM "
+                "with MindFormersBackend") in log
 
 
 def test_status_refuses_a_layout_that_does_not_fit(rehearsal, cluster):

@@ -11,7 +11,8 @@ import time
 import openai
 import psutil
 import pytest
-from conftest import PROMPTS, HFReference, assert_matches_hf, free_port, slow
+from conftest import (PROMPTS, ROOT, HFReference, assert_matches_hf, free_port,
+                      needs_mindformers, slow)
 from test_moe_models import MODELS as MOE_MODELS
 from test_moe_models import finish_deepseek_checkpoint
 
@@ -60,6 +61,46 @@ def test_tp2_matches_tp1_and_hf_with_half_the_weights(tiny_model_factory, name):
         assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, f"tp2 {name}")
     # Sharded: each rank holds about half; only norms, routers, replicated KV heads and MLA's
     # latent projections are duplicated.
+    assert len(rank_bytes) == 2
+    for part in rank_bytes:
+        assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)
+
+
+MINDFORMERS_MODELS = {  # architecture -> the tiny YAML of its shape and mindformers' class
+    "Qwen3ForCausalLM": ("predict_qwen3_tiny.yaml",
+                         "mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM"),
+    "Qwen2ForCausalLM": ("predict_qwen2_tiny.yaml",
+                         "mindformers.models.qwen2.modeling_qwen2_infer.InferenceQwen2ForCausalLM"),
+}
+
+
+@needs_mindformers()
+@pytest.mark.parametrize("arch", [
+    pytest.param(arch, marks=slow("about 2 min; every run serves Qwen3 (the same mindformers "
+                                  "layers, without biases) at TP=2")) if arch != "Qwen3ForCausalLM"
+    else arch for arch in MINDFORMERS_MODELS])
+def test_mindformers_classes_at_tp2_match_tp1_and_hf(tiny_model_factory, monkeypatch, capfd,
+                                                      arch):
+    """mindformers' own model class on both ranks: its ColumnParallel / RowParallel linears and
+    vocabulary-parallel embedding and output layer take their shards in mindformers' loader
+    (2 KV heads: one per rank) and reduce / gather through MindSpore's collectives."""
+    yaml_name, implementation = MINDFORMERS_MODELS[arch]
+    model_dir = tiny_model_factory(arch)
+    monkeypatch.setenv("vLLM_MODEL_BACKEND", "MindFormers")
+    monkeypatch.setenv("MINDFORMERS_MODEL_CONFIG",
+                       os.path.join(ROOT, "yaml_configs", "small", yaml_name))
+    single, (single_bytes,) = generate(model_dir, 1)
+    double, rank_bytes = generate(model_dir, 2)
+    built = [line for line in capfd.readouterr().out.splitlines()
+             if f"Built {implementation} with MindFormersBackend" in line]
+    assert len(built) == 3, built  # the TP=1 worker and both TP=2 ranks
+    reference = HFReference(model_dir)
+    for one, two in zip(single, double):
+        tokens = list(two.outputs[0].token_ids)
+        assert tokens == list(one.outputs[0].token_ids)
+        logprobs = [step[t].logprob for t, step in zip(tokens, two.outputs[0].logprobs)]
+        ref_tokens, ref_steps = reference.greedy(list(two.prompt_token_ids), 8)
+        assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, f"mindformers tp2 {arch}")
     assert len(rank_bytes) == 2
     for part in rank_bytes:
         assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)

@@ -66,8 +66,9 @@ def package_limits(vllm_config) -> list[str]:
     if kernel_device() == ASCEND:
         limits.append("Ascend (the adapter's FlashAttention prefill and PagedAttention increment "
                       "graphs are not written yet)")
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        limits.append("tensor parallelism (not wired to mindformers' parallel state yet)")
+    if (vllm_config.parallel_config.tensor_parallel_size != 1
+            and architectures[0] in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")):
+        limits.append("tensor parallelism for MoE and MLA models (not verified yet)")
     if vllm_config.parallel_config.enable_expert_parallel:
         limits.append("expert parallelism (mindformers' expert dispatch is not substituted on CPU)")
     return limits

@@ -78,6 +78,21 @@ def check_supported(vllm_config, dtype) -> str:
     return arch
 
 
+def initialize_tensor_parallel(tp_size: int) -> None:
+    """mindformers' parallel state for `tp_size` ranks, read by its parallel layers when they
+    are built (their shard of the weights, the group of their AllReduce / AllGather). The
+    worker has already joined MindSpore's collective world, whose ranks are this engine's TP
+    ranks (vllm_mindspore.distributed.communication); mindformers' own
+    `build_parallel_context().init_communication()` would init it again and reset MindSpore's
+    auto-parallel context. At TP=1 mindformers' layers fall back to size-1 groups by
+    themselves."""
+    if tp_size == 1:
+        return
+    from mindformers.parallel_core.inference import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+
+
 class MindFormersBackend:
     """(build, kv_cache_spec, allocate_kv_cache, compile_step, forward, compile_logits, logits,
     num_compiled_graphs, weight_bytes) over a mindformers mcore network."""
@@ -112,6 +127,7 @@ class MindFormersBackend:
 
         config = mindformers_config(vllm_config, arch, block_size, dtype, kernel_device())
         build_mf_context(config)
+        initialize_tensor_parallel(vllm_config.parallel_config.tensor_parallel_size)
         with no_init_parameters():
             network = AutoModel.from_config(config)
         implementation = f"{type(network).__module__}.{type(network).__qualname__}"

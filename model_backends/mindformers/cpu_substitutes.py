@@ -196,3 +196,17 @@ def absorb_mla(attention, prefix: str) -> None:
                                          f"{prefix}.cpu_attention")
     attention.linear_kv_up_proj = None
     attention.q_absorb = attention.out_absorb = None
+def world_group_init(original):
+    """ProcessGroup.__init__ naming a group that spans MindSpore's whole world (the engine's TP
+    ranks, see vllm_mindspore.distributed.communication) by the world group's name: MindSpore's
+    CPU AllGather runs on the world group only. The world group exists already, so mindformers
+    does not create a copy of it."""
+    def __init__(self, group=None, global_ranks=None, size=1, rank=0):
+        from mindspore.communication import GlobalComm, get_group_size
+
+        if group is not None and global_ranks is not None \
+                and sorted(global_ranks) == list(range(get_group_size())):
+            group = GlobalComm.WORLD_COMM_GROUP
+        original(self, group, global_ranks, size, rank)
+
+    return __init__

@@ -158,6 +158,13 @@ MINDFORMERS_PATCHES: list[Patch] = [
         "mf's absorbed W_UK / W_UV and softmax scale."),
           package="mindformers", version=MINDFORMERS_VERSION,
           replacement=_substitute("mla_construct"), when=_on_cpu),
+    Patch(target=f"{_INFERENCE}.parallel_state:ProcessGroup.__init__", reason=(
+        "initialize_model_parallel names its tensor-parallel group 'tp-0-1' (and creates it) "
+        "even when it spans the whole MindSpore world, but MindSpore's CPU AllGather (the "
+        "output layer's gather) runs only on the world group: a group spanning the world is "
+        "named as the world group."),
+          package="mindformers", version=MINDFORMERS_VERSION,
+          replacement=_substitute("world_group_init"), when=_on_cpu),
 ]
 
 
