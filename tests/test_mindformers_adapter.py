@@ -8,6 +8,8 @@ compiled token count): several requests of different lengths prefilled together,
 in two chunks, a request whose first block is a prefix-cache hit, then decodes of all of them.
 """
 
+import os
+
 import numpy as np
 import pytest
 from conftest import HFReference, assert_matches_hf, finish_deepseek_checkpoint, needs_mindformers
@@ -15,6 +17,17 @@ from conftest import HFReference, assert_matches_hf, finish_deepseek_checkpoint,
 from model_backends.contract import StepTensors
 
 pytestmark = needs_mindformers()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environment_restored():
+    """mindformers' build_mf_context sets environment variables (MS_ALLOC_CONF, RUN_MODE, ...)
+    for the process that builds a model: a worker's. Here that is pytest's, whose later tests and
+    their subprocesses must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 BLOCK_SIZE = 16
 ROWS, MAX_BLOCKS = 4, 8  # the block table's shape (the runner's request capacity and length)

@@ -26,14 +26,14 @@ def mindformers_env(yaml_name):
             "MINDFORMERS_MODEL_CONFIG": os.path.join(SMALL, yaml_name)}
 
 
-def test_mindformers_backend_serves_native_tokens(serve, qwen2):
-    native = serve(qwen2, *ARGS, env={"vLLM_MODEL_BACKEND": "native"})
-    expected = greedy_tokens(native, qwen2, PROMPTS)
-    native.stop()
-    assert "Model backend: Native (vLLM_MODEL_BACKEND=native)" in native.log_tail(100000)
-
+def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
+    """The Native backend serves HF's tokens too (tests/test_serve.py): both backends agree."""
     server = serve(qwen2, *ARGS, env=mindformers_env("predict_qwen2_tiny.yaml"))
-    assert greedy_tokens(server, qwen2, PROMPTS) == expected
+    tokens = greedy_tokens(server, qwen2, PROMPTS)
+    reference = HFReference(qwen2)
+    for prompt, ours in zip(PROMPTS, tokens):
+        expected, steps = reference.greedy(reference.tokenizer(prompt)["input_ids"], len(ours))
+        assert_matches_hf(ours, None, expected, steps, repr(prompt))
     log = server.log_tail(100000)
     assert "Model backend: MindFormers (vLLM_MODEL_BACKEND=MindFormers)" in log
     if mindformers_installed():

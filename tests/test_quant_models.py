@@ -23,10 +23,13 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 MAX_TOKENS = 8
 # Our float32 steps and HF's differ in the last bits; an activation sitting on a rounding boundary
-# can then quantize one step apart, which moves logprobs by ~1e-4. Tokens must be equal except
-# where the emulation's top two are closer than NEAR_TIE.
+# can then quantize one step apart, which moves logprobs by ~1e-4, and on these tiny random models
+# by up to ~1e-2 (measured: reordering the attention kernel's float32 sums, 5e-7 on its outputs,
+# moved one TP=2 DeepSeek logprob by 1.0e-2 through a dynamic per-token quantization). A wrong
+# scale, offset or layout moves them by far more. Tokens must be equal except where the
+# emulation's top two are closer than NEAR_TIE.
 NEAR_TIE = 2e-3
-LOGPROB_TOL = 2e-3
+LOGPROB_TOL = 2e-2
 SERVE_ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes",
               str(8 << 20), "--max-num-batched-tokens", "32")
 
