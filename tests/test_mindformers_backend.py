@@ -26,6 +26,9 @@ def mindformers_env(yaml_name):
             "MINDFORMERS_MODEL_CONFIG": os.path.join(SMALL, yaml_name)}
 
 
+@slow("about 50 s; every run serves mindformers' Qwen3 class here, its Qwen2 class over Ray at "
+      "TP=2 (tests/test_deploy_ray.py) and checks its Qwen2 class against HF "
+      "(tests/test_mindformers_adapter.py)")
 def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
     """The Native backend serves HF's tokens too (tests/test_serve.py): both backends agree."""
     server = serve(qwen2, *ARGS, env=mindformers_env("predict_qwen2_tiny.yaml"))

@@ -44,6 +44,8 @@ def generate(model_dir, tp, **engine_args):
 SLOW_TP2 = {
     "deepseek-v3-q-lora": "about 2 min; every run serves DeepSeek-V3 (MLA + MoE) at TP=2 in "
                           "tests/test_quant_models.py",
+    "qwen3-moe": "about 85 s; every run splits MoE experts' intermediate at TP=2 in "
+                 "tests/test_quant_models.py (DeepSeek-V3 W8A8)",
     "llama-untied-odd-vocab": "about 70 s; every run splits GQA heads at TP=2 in "
                               "tests/test_deploy_ray.py and here for Qwen3 (the padded vocabulary "
                               "shard only with VLLM_MS_RUN_SLOW=1)",
