@@ -41,6 +41,21 @@ def generate(model_dir, tp, **engine_args):
     return outputs, weight_bytes
 
 
+def assert_tp2_matches_tp1_and_hf(model_dir, single, single_bytes, double, rank_bytes, context):
+    """TP=2 greedy tokens equal TP=1's and HF's; each rank holds about half the weights (only
+    norms, routers, replicated KV heads and MLA's latent projections are duplicated)."""
+    reference = HFReference(model_dir)
+    for one, two in zip(single, double):
+        tokens = list(two.outputs[0].token_ids)
+        assert tokens == list(one.outputs[0].token_ids)
+        logprobs = [step[t].logprob for t, step in zip(tokens, two.outputs[0].logprobs)]
+        ref_tokens, ref_steps = reference.greedy(list(two.prompt_token_ids), 8)
+        assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, context)
+    assert len(rank_bytes) == 2
+    for part in rank_bytes:
+        assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)
+
+
 SLOW_TP2 = {
     "deepseek-v3-q-lora": "about 2 min; every run serves DeepSeek-V3 (MLA + MoE) at TP=2 in "
                           "tests/test_quant_models.py",
@@ -62,18 +77,8 @@ def test_tp2_matches_tp1_and_hf_with_half_the_weights(tiny_model_factory, name):
         finish_deepseek_checkpoint(model_dir)
     single, (single_bytes,) = generate(model_dir, 1)
     double, rank_bytes = generate(model_dir, 2)
-    reference = HFReference(model_dir)
-    for one, two in zip(single, double):
-        tokens = list(two.outputs[0].token_ids)
-        assert tokens == list(one.outputs[0].token_ids)
-        logprobs = [step[t].logprob for t, step in zip(tokens, two.outputs[0].logprobs)]
-        ref_tokens, ref_steps = reference.greedy(list(two.prompt_token_ids), 8)
-        assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, f"tp2 {name}")
-    # Sharded: each rank holds about half; only norms, routers, replicated KV heads and MLA's
-    # latent projections are duplicated.
-    assert len(rank_bytes) == 2
-    for part in rank_bytes:
-        assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)
+    assert_tp2_matches_tp1_and_hf(model_dir, single, single_bytes, double, rank_bytes,
+                                  f"tp2 {name}")
 
 
 MINDFORMERS_MODELS = {  # architecture -> the tiny YAML of its shape and mindformers' class
@@ -104,16 +109,8 @@ def test_mindformers_classes_at_tp2_match_tp1_and_hf(tiny_model_factory, monkeyp
     built = [line for line in capfd.readouterr().out.splitlines()
              if f"Built {implementation} with MindFormersBackend" in line]
     assert len(built) == 3, built  # the TP=1 worker and both TP=2 ranks
-    reference = HFReference(model_dir)
-    for one, two in zip(single, double):
-        tokens = list(two.outputs[0].token_ids)
-        assert tokens == list(one.outputs[0].token_ids)
-        logprobs = [step[t].logprob for t, step in zip(tokens, two.outputs[0].logprobs)]
-        ref_tokens, ref_steps = reference.greedy(list(two.prompt_token_ids), 8)
-        assert_matches_hf(tokens, logprobs, ref_tokens, ref_steps, f"mindformers tp2 {arch}")
-    assert len(rank_bytes) == 2
-    for part in rank_bytes:
-        assert 0.45 * single_bytes < part < 0.62 * single_bytes, (rank_bytes, single_bytes)
+    assert_tp2_matches_tp1_and_hf(model_dir, single, single_bytes, double, rank_bytes,
+                                  f"mindformers tp2 {arch}")
 
 
 def test_worker_killed_mid_request_fails_requests_and_exits(serve, tiny_model_factory):
