@@ -127,3 +127,55 @@ def test_penalties_match_documented_formula(llm, model_dir, penalty):
         assert list(output.outputs[0].token_ids) == expected
         changed |= expected != unpenalized[0]
     assert changed, "the penalty changed nothing: the test would not catch it being ignored"
+
+
+def kernel_draws(probs: torch.Tensor, draws: int, seed: int) -> torch.Tensor:
+    """`draws` tokens from one row of probabilities through vLLM's random_sample as the
+    runner patches it (the plugin's kernel), each draw with its own seed."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from vllm_mindspore.patches import SAMPLER_PATCHES, apply
+
+    apply(SAMPLER_PATCHES)
+    generator = torch.Generator().manual_seed(seed)
+    rows = probs.expand(draws, -1).contiguous()
+    generators = {row: torch.Generator().manual_seed(int(s)) for row, s in
+                  enumerate(torch.randint(0, 2**62, (draws,), generator=generator))}
+    return topk_topp_sampler.random_sample(rows, generators)
+
+
+def test_kernel_random_sampling_draws_from_the_probabilities():
+    """The runner's random sampling (exponential race in C++) draws each token with its
+    probability: 200k draws over 13 tokens (not a multiple of the kernel's 8 lanes), zeros
+    never drawn, every frequency within 4.5 standard errors (a fixed seed: deterministic)."""
+    import numpy as np
+
+    from vllm_mindspore.worker.sampling import exponential_race_argmax
+
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.05, 0.0, 0.05, 0.05, 0.04, 0.03, 0.02, 0.01,
+                          0.0])
+    draws = 200_000
+    tokens = kernel_draws(probs, draws, seed=0).numpy()
+    frequency = np.bincount(tokens, minlength=len(probs)) / draws
+    p = probs.numpy()
+    assert frequency[p == 0].sum() == 0
+    error = np.abs(frequency - p)[p > 0] / np.sqrt(p * (1 - p) / draws)[p > 0]
+    assert error.max() < 4.5, (frequency, error)
+    # A seed fixes the draw; other seeds draw other tokens.
+    seeds = torch.arange(64, dtype=torch.int64)
+    rows = probs.expand(64, -1).contiguous()
+    assert torch.equal(exponential_race_argmax(rows, seeds), exponential_race_argmax(rows, seeds))
+    assert len(set(exponential_race_argmax(rows, seeds).tolist())) > 3
+
+
+def test_kernel_random_sampling_follows_a_large_vocabulary():
+    """A peaked distribution over 8003 tokens (as a temperature-scaled softmax gives): the top
+    token's frequency and the mass of the tail match within 4.5 standard errors."""
+    import numpy as np
+
+    logits = torch.linspace(0.0, -12.0, 8003)
+    probs = logits.softmax(-1)
+    draws = 20_000
+    tokens = kernel_draws(probs, draws, seed=1).numpy()
+    for event, p in ((tokens == 0, float(probs[0])), (tokens >= 100, float(probs[100:].sum()))):
+        assert abs(event.mean() - p) < 4.5 * np.sqrt(p * (1 - p) / draws), (event.mean(), p)

@@ -19,7 +19,8 @@ from vllm.logger import init_logger
 
 logger = init_logger("vllm.vllm_mindspore.kernels")
 
-_SOURCES = ("paged_attention.cc", "linear.cc", "moe.cc", "norm_rope.cc", "quant.cc")
+_SOURCES = ("paged_attention.cc", "linear.cc", "moe.cc", "norm_rope.cc", "quant.cc",
+            "sampling.cc")
 _HEADERS = ("common.h", "gemm.h")
 _FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")

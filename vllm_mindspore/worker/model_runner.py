@@ -4,7 +4,8 @@ logits -> vLLM's sampler -> ModelRunnerOutput.
 Request state, block tables and sampling metadata live in vLLM's own `InputBatch` (numpy/torch on
 the host); sampling, penalties, logits processors, grammars and logprobs are vLLM's own. The step
 follows vLLM 0.33's two-phase contract: `execute_model` runs the model and keeps the logits,
-`sample_tokens(grammar_output)` applies the structured-output bitmask and samples.
+`sample_tokens(grammar_output)` applies the structured-output bitmask and samples (random
+sampling's noise drawn by the plugin's C++ kernel, `worker/sampling.py`).
 
 The model is a `ModelBackend` (model_backends/contract.py) and runs as two MindSpore graphs: the
 decoder over the step's tokens (`StepTensors`) -> hidden states, and the logits head (final
@@ -35,6 +36,7 @@ from model_backends.contract import ModelBackend, StepTensors
 from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
+from vllm_mindspore.patches import SAMPLER_PATCHES, apply
 from vllm_mindspore.platform import ASCEND, DEVICE
 
 logger = init_logger("vllm.vllm_mindspore.model_runner")
@@ -170,6 +172,7 @@ class MindSporeModelRunner:
                                           custom_logitsprocs),
             logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
         )
+        apply(SAMPLER_PATCHES)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.pad_across_dp = expert_parallel_across_dp(vllm_config)
         self.sizes = GraphSizes(self.scheduler_config.max_num_batched_tokens, max_num_reqs,

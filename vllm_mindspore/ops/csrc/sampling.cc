@@ -1,0 +1,93 @@
+// Random sampling for vLLM's sampler on the host: the exponential race over each row of
+// probabilities, with token j's Exp(1) noise made from SplitMix64 of (row seed, j) on the fly —
+// one pass, one logarithm per token, no [rows, vocab] noise tensor. torch's exponential_() fills
+// 8 x 8000 values in ~1.2 ms on this project's CPUs, a tenth of a decode step.
+
+#include <omp.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace {
+
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+inline u64x8 splitmix64(u64x8 z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// log(x) for normal x > 0, within ~1e-7: x = 2^e m with m in [0.71, 1.42), log m = 2 atanh(t),
+// t = (m - 1) / (m + 1) in [-0.172, 0.172], four terms of the series.
+inline f32x8 log_lanes(f32x8 x) {
+  i32x8 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  i32x8 e = ((bits >> 23) & 0xff) - 127;
+  bits = (bits & 0x7fffff) | 0x3f800000;
+  f32x8 m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const i32x8 high = m > 1.41421356f;  // -1 where m > sqrt(2): m / 2, e + 1
+  m = high ? m * 0.5f : m;
+  e -= high;
+  const f32x8 t = (m - 1.0f) / (m + 1.0f), t2 = t * t;
+  const f32x8 series = ((t2 * (1.0f / 7) + 1.0f / 5) * t2 + 1.0f / 3) * t2 + 1.0f;
+  return __builtin_convertvector(e, f32x8) * 0.693147181f + 2.0f * t * series;
+}
+
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;  // SplitMix64's increment
+
+}  // namespace
+
+extern "C" {
+
+// out[r] = argmax_j probs[r, j] / E(r, j), E(r, j) = -log(u) with u uniform on (0, 1) from the top
+// 24 bits of SplitMix64(seeds[r] + (j + 1) * gamma). E is Exp(1), so the argmax is a sample of
+// probs[r] (as vLLM's random_sample: probs / exponential noise, argmax); a token of probability
+// 0 is never drawn (unless the whole row is 0: then token 0). Eight tokens at a time.
+void ExponentialRaceArgmax(const float *probs, int64_t rows, int64_t vocab,
+                           const int64_t *seeds, int64_t *out) {
+#pragma omp parallel for num_threads(vllm_ms::num_threads) schedule(static) \
+    if (rows * vocab >= 4 * vllm_ms::kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *row = probs + r * vocab;
+    const uint64_t seed = static_cast<uint64_t>(seeds[r]);
+    f32x8 best = {};
+    i32x8 best_index = {};
+    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const u64x8 lane64 = {1, 2, 3, 4, 5, 6, 7, 8};
+    f32x8 p = {};
+    for (int64_t j = 0; j < vocab; j += 8) {
+      const int64_t n = std::min<int64_t>(8, vocab - j);
+      if (n == 8) {
+        std::memcpy(&p, row + j, sizeof(p));
+      } else {
+        p = f32x8{};
+        std::memcpy(&p, row + j, n * sizeof(float));
+      }
+      const u64x8 bits = splitmix64(seed + (static_cast<uint64_t>(j) + lane64) * kGamma);
+      const f32x8 u = (__builtin_convertvector(bits >> 40, f32x8) + 0.5f) * (1.0f / 16777216.0f);
+      const f32x8 score = p / -log_lanes(u);
+      const i32x8 better = score > best;
+      best = better ? score : best;
+      best_index = better ? lane + static_cast<int32_t>(j) : best_index;
+    }
+    float top = 0.0f;
+    int64_t top_index = 0;
+    for (int i = 0; i < 8; ++i) {
+      if (best[i] > top || (best[i] == top && best[i] > 0.0f && best_index[i] < top_index)) {
+        top = best[i];
+        top_index = best_index[i];
+      }
+    }
+    out[r] = top_index;
+  }
+}
+
+}  // extern "C"
