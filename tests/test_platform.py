@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from model_backends import MINDFORMERS, NATIVE, select_backend
-from vllm_mindspore.patches import PATCHES, apply_patches
+from vllm_mindspore.patches import PATCHES, SAMPLER_PATCHES, apply_patches
 from vllm_mindspore.platform import ASCEND, CPU, check_world_fits_devices
 
 
 def test_patch_registry_is_declared_and_idempotent():
     from importlib.metadata import version
 
-    for patch in PATCHES:
+    for patch in PATCHES + SAMPLER_PATCHES:
         assert patch.reason and ":" in patch.target
         assert version(patch.package).split("+")[0] == patch.version, patch.target
     apply_patches()
