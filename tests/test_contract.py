@@ -105,6 +105,15 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
     ours_prefill = logprobs(prefill, sum(len(p) for p in PROMPTS))
     ours_decode = logprobs(decode, len(decode_ids))
     assert backend.num_compiled_graphs() == compiled  # no step compiled another graph
+    # The compiled shapes ran their graphs directly (StaticGraphs), as the Cell would have.
+    assert len(backend.graphs.phases) == 2 and len(backend.head_graphs.phases) == 1
+    np.testing.assert_array_equal(backend.forward(decode).asnumpy(),
+                                  backend.cell(*decode).asnumpy())
+    # A shape compiled nowhere goes through the Cell: it compiles (and still computes).
+    wider = step(decode_ids, [len(p) for p in PROMPTS], block_tables, num_tokens=4)
+    np.testing.assert_array_equal(backend.forward(wider).asnumpy()[:2],
+                                  backend.forward(decode).asnumpy())
+    assert backend.num_compiled_graphs() == compiled + 1
 
     reference = HFReference(model_dir)
     start = 0
