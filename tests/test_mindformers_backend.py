@@ -27,7 +27,7 @@ def mindformers_env(yaml_name):
             "MINDFORMERS_MODEL_CONFIG": os.path.join(SMALL, yaml_name)}
 
 
-@slow("about 50 s; every run serves mindformers' Qwen3 class here, its Qwen2 class over Ray at "
+@slow("about 50 s; every run serves mindformers' Qwen3-MoE class here, its Qwen2 class over Ray at "
       "TP=2 (tests/test_deploy_ray.py) and checks its Qwen2 class against HF "
       "(tests/test_mindformers_adapter.py)")
 def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
@@ -49,6 +49,11 @@ def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
 
 
 @needs_mindformers()
+@slow("about 60 s; every run serves mindformers' Qwen3-MoE class (the same attention, rope and norm "
+      "cells) the same way with prefix-cache hits checked "
+      "(test_mindformers_moe_serves_hf_tokens_with_chunked_prefill_and_prefix_caching), its Qwen3 "
+      "class at TP=1 and TP=2 (tests/test_tensor_parallel.py) and step by step against HF "
+      "(tests/test_mindformers_adapter.py)")
 def test_mindformers_qwen3_serves_hf_tokens_with_chunked_prefill_and_prefix_caching(
         serve, tiny_model_factory):
     """mindformers' InferenceQwen3ForCausalLM behind `vllm-mindspore serve`: steps that mix
