@@ -132,6 +132,28 @@ def tiny_model_factory(tmp_path_factory, tokenizer_dir):
     return make
 
 
+# Tiny MoE models mindformers' classes express and compute as HF transformers does (the
+# mindformers adapter and serve tests; yaml_configs/small/predict_{qwen3_moe,deepseek_v3}_tiny.yaml
+# describe the first two with the factory's defaults).
+# Qwen3-MoE: every layer sparse (mindformers' only layout), top-2 of 8 experts.
+MF_QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    decoder_sparse_step=1, mlp_only_layers=[])
+# DeepSeek-V3: layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups, 2 groups kept, top-4, a
+# shared expert. top_k / topk_group = 2 makes mindformers' group score (the sum of each group's
+# top top_k // topk_group) HF's top-2 sum; the checkpoint's non-negative expert bias
+# (finish_deepseek_checkpoint(non_negative_bias=True)) keeps every biased score positive, where
+# mindformers' 0.0 mask of the dropped groups equals HF's -inf.
+MF_DEEPSEEK_V3 = dict(
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=32, first_k_dense_replace=1)
+# DeepSeek-V3's YaRN (mscale == mscale_all_dim, as mindformers' MLA softmax scale needs).
+MF_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                    "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                    "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def finish_deepseek_checkpoint(model_dir: str, non_negative_bias: bool = False) -> None:
     """What the factory's random init leaves out of a real DeepSeek-V3 checkpoint: a non-zero
     e_score_correction_bias (HF keeps it a zero buffer; `non_negative_bias` keeps every biased

@@ -12,7 +12,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import HFReference, assert_matches_hf, finish_deepseek_checkpoint, needs_mindformers
+from conftest import (MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE, HFReference,
+                      assert_matches_hf, finish_deepseek_checkpoint, needs_mindformers)
 
 from model_backends.contract import StepTensors
 
@@ -35,20 +36,9 @@ GRAPH_TOKENS = (8, 32)  # the padded token counts compiled, as the runner's Grap
 DECODES = 4
 LOGPROB_TOL = 1e-4  # float32 against HF's float32
 
-QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 decoder_sparse_step=1, mlp_only_layers=[])
-# Layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups, 2 groups kept, top-4, a shared expert.
-# top_k / topk_group = 2 makes mindformers' group score (the sum of each group's top
-# top_k // topk_group) HF's top-2 sum; the checkpoint's non-negative expert bias keeps every
-# biased score positive, where mindformers' 0.0 mask of the dropped groups equals HF's -inf.
-DEEPSEEK = dict(
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
-    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
-    n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-    moe_intermediate_size=32, first_k_dense_replace=1)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's: mscale == mscale_all_dim
+QWEN3_MOE = MF_QWEN3_MOE
+DEEPSEEK = MF_DEEPSEEK_V3  # grouped routing where mindformers and HF agree (see conftest)
+YARN = MF_DEEPSEEK_YARN
 FIRST_SPARSE_LAYER = {"Qwen3MoeForCausalLM": 0,
                       "DeepseekV3ForCausalLM": DEEPSEEK["first_k_dense_replace"]}
 DEEPSEEK_CLASS = ("mindformers.models.deepseek3.modeling_deepseek_v3_infer."

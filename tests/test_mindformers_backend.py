@@ -7,7 +7,8 @@ by the CLI, and bad YAMLs stop the server before any worker starts."""
 import os
 
 import pytest
-from conftest import (PROMPTS, ROOT, HFReference, assert_matches_hf, greedy_tokens,
+from conftest import (MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE, PROMPTS, ROOT, HFReference,
+                      assert_matches_hf, finish_deepseek_checkpoint, greedy_tokens,
                       needs_mindformers, slow)
 
 from model_backends import mindformers_installed
@@ -26,7 +27,7 @@ def mindformers_env(yaml_name):
             "MINDFORMERS_MODEL_CONFIG": os.path.join(SMALL, yaml_name)}
 
 
-@slow("about 50 s; every run serves mindformers' Qwen3 class here, its Qwen2 class over Ray at "
+@slow("about 50 s; every run serves mindformers' Qwen3-MoE class here, its Qwen2 class over Ray at "
       "TP=2 (tests/test_deploy_ray.py) and checks its Qwen2 class against HF "
       "(tests/test_mindformers_adapter.py)")
 def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
@@ -48,6 +49,11 @@ def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
 
 
 @needs_mindformers()
+@slow("about 60 s; every run serves mindformers' Qwen3-MoE class (the same attention, rope and norm "
+      "cells) the same way with prefix-cache hits checked "
+      "(test_mindformers_moe_serves_hf_tokens_with_chunked_prefill_and_prefix_caching), its Qwen3 "
+      "class at TP=1 and TP=2 (tests/test_tensor_parallel.py) and step by step against HF "
+      "(tests/test_mindformers_adapter.py)")
 def test_mindformers_qwen3_serves_hf_tokens_with_chunked_prefill_and_prefix_caching(
         serve, tiny_model_factory):
     """mindformers' InferenceQwen3ForCausalLM behind `vllm-mindspore serve`: steps that mix
@@ -66,6 +72,111 @@ def test_mindformers_qwen3_serves_hf_tokens_with_chunked_prefill_and_prefix_cach
         ids = reference.tokenizer(prompt)["input_ids"]
         expected, steps = reference.greedy(ids, len(ours))
         assert_matches_hf(ours, None, expected, steps, repr(prompt))
+
+
+# name -> (architecture, tiny-config overrides, YAML, the mindformers class expected to run).
+# The same checkpoints as tests/test_mindformers_adapter.py's "qwen3-moe-norm-True" and
+# "deepseek-v3-yarn" (which also compare full-vocabulary logprobs with HF).
+MOE_MODELS = {
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(MF_QWEN3_MOE, norm_topk_prob=True),
+                  "predict_qwen3_moe_tiny.yaml",
+                  "mindformers.models.qwen3_moe.modeling_qwen3_moe_infer."
+                  "InferenceQwen3MoeForCausalLM"),
+    "deepseek-v3": ("DeepseekV3ForCausalLM",
+                    dict(MF_DEEPSEEK_V3, rope_parameters=MF_DEEPSEEK_YARN,
+                         routed_scaling_factor=2.5, norm_topk_prob=True),
+                    "predict_deepseek_v3_tiny.yaml",
+                    "mindformers.models.deepseek3.modeling_deepseek_v3_infer."
+                    "InferenceDeepseekV3ForCausalLM"),
+}
+CHUNKED_PREFIX_ARGS = ("--enable-chunked-prefill", "--max-num-batched-tokens", "16",
+                       "--enable-prefix-caching", "--enable-prompt-tokens-details")
+
+
+def moe_model(tiny_model_factory, name: str) -> str:
+    arch, overrides, _, _ = MOE_MODELS[name]
+    model_dir = tiny_model_factory(arch, **overrides)
+    if arch == "DeepseekV3ForCausalLM":
+        finish_deepseek_checkpoint(model_dir, non_negative_bias=True)
+    return model_dir
+
+
+def serve_twice(server, model: str, max_tokens: int = 8) -> tuple[list[list[int]], list[int]]:
+    """PROMPTS submitted together (vLLM batches them: prefill chunks of the 16-token budget next
+    to decodes), then again once they are done (their full blocks are prefix-cache hits) ->
+    (token ids of the 16 completions, cached prompt tokens of the second round's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = server.client()
+
+    def one(prompt):
+        return client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        responses = list(pool.map(one, PROMPTS)) + list(pool.map(one, PROMPTS))
+    cached = [r.usage.prompt_tokens_details.cached_tokens or 0 for r in responses[len(PROMPTS):]]
+    return [r.choices[0].token_ids for r in responses], cached
+
+
+def assert_serves_hf_tokens(model: str, tokens: list[list[int]], context: str) -> None:
+    reference = HFReference(model)
+    expected = {}
+    for prompt, ours in zip(PROMPTS + PROMPTS, tokens):
+        if prompt not in expected:
+            expected[prompt] = reference.greedy(reference.tokenizer(prompt)["input_ids"],
+                                                len(ours))
+        assert_matches_hf(ours, None, *expected[prompt], f"{context} {prompt[:20]!r}")
+
+
+@needs_mindformers()
+@pytest.mark.parametrize("name", [
+    "qwen3-moe",
+    pytest.param("deepseek-v3", marks=slow(
+        "about 80 s; every run serves mindformers' Qwen3-MoE class here (the same MoE layer and "
+        "router substitutes) and checks its DeepSeek-V3 class (MLA + grouped MoE) on the same "
+        "checkpoint against HF in-process, with prefills, a chunked prefill, a prefix-cache hit "
+        "and decodes in one step (tests/test_mindformers_adapter.py, deepseek-v3-yarn)")),
+])
+def test_mindformers_moe_serves_hf_tokens_with_chunked_prefill_and_prefix_caching(
+        serve, tiny_model_factory, name):
+    """mindformers' Qwen3-MoE / DeepSeek-V3 class behind `vllm-mindspore serve` with the YAML of
+    its tiny checkpoint: steps that mix prefill chunks, prefix-cache hits and decodes give HF's
+    greedy tokens. The Native backend serves HF's tokens on these checkpoints too, and both
+    backends give the same tokens: test_native_and_mindformers_moe_serve_the_same_tokens
+    (slow)."""
+    _, _, yaml_name, model_class = MOE_MODELS[name]
+    model = moe_model(tiny_model_factory, name)
+    server = serve(model, *ARGS, *CHUNKED_PREFIX_ARGS, env=mindformers_env(yaml_name))
+    tokens, cached = serve_twice(server, model)
+    log = server.log_tail(100000)
+    assert f"Built {model_class} with MindFormersBackend" in log
+    assert max(cached) >= 16, f"no prefix-cache hit in the second round: {cached}"
+    assert_serves_hf_tokens(model, tokens, name)
+
+
+@needs_mindformers()
+@slow("about 2 min per model (two server starts); every run serves each backend on MoE "
+      "checkpoints against HF: mindformers' Qwen3-MoE class here, the Native Qwen3-MoE and "
+      "DeepSeek-V3 in tests/test_moe_models.py")
+@pytest.mark.parametrize("name", list(MOE_MODELS))
+def test_native_and_mindformers_moe_serve_the_same_tokens(serve, tiny_model_factory, name):
+    """The same checkpoint, arguments and requests through the Native backend and mindformers'
+    class: the same greedy tokens, both HF's."""
+    _, _, yaml_name, model_class = MOE_MODELS[name]
+    model = moe_model(tiny_model_factory, name)
+    results = {}
+    for backend, env in (("Native", {"vLLM_MODEL_BACKEND": "Native"}),
+                         ("MindFormers", mindformers_env(yaml_name))):
+        server = serve(model, *ARGS, *CHUNKED_PREFIX_ARGS, env=env)
+        results[backend] = serve_twice(server, model)[0]
+        log = server.log_tail(100000)
+        server.stop()
+        expected = model_class if backend == "MindFormers" else "model_backends.native."
+        assert f"Built {expected}" in log and f"with {backend}Backend" in log
+    assert results["Native"] == results["MindFormers"]
+    assert_serves_hf_tokens(model, results["Native"], f"{name} Native")
 
 
 @slow("a server start; every run checks the override both ways: test_mindformers_yaml.py on the "

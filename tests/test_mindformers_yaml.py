@@ -9,6 +9,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+from conftest import MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE
 
 from vllm_mindspore.config import (
     MindFormersConfigError,
@@ -401,6 +402,51 @@ def test_cross_check_names_both_values_and_returns_missing_fields():
                        match="yarn rope scaling but config.json has rope type 'default'"):
         cross_check(overrides, dict(DEEPSEEK_R1_CONFIG, rope_scaling=None,
                                     rope_parameters={"rope_theta": 10000, "rope_type": "default"}))
+
+
+def test_mcore_moe_and_rope_scaling_fields_in_hf_names_are_cross_checked(tmp_path):
+    """mcore YAMLs write MoE and rope-scaling fields in HF's names in model_config, which
+    mindformers merges over config.json: they are compared like the legacy names."""
+    cfg = yaml_with(tmp_path, model_config="""\
+        num_experts: 8
+        topk_group: 1
+        norm_topk_prob: true
+        rope_scaling: {type: yarn, factor: 4.0, beta_fast: 32}
+        """)
+    overrides = model_config_overrides(cfg)
+    assert overrides["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0}
+    assert overrides.sources["rope_scaling"] == "model.model_config.rope_scaling"
+    hf = {"num_local_experts": 8, "topk_group": 2, "norm_topk_prob": True,  # Qwen3-MoE's save name
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+    with pytest.raises(MindFormersConfigError) as err:
+        cross_check(overrides, hf)
+    assert "model.model_config.topk_group = 1 but config.json has topk_group = 2" in str(err.value)
+    assert "num_experts" not in str(err.value)
+    assert cross_check(overrides, dict(hf, topk_group=1)) == {}
+    with pytest.raises(MindFormersConfigError, match="sets both model.model_config.scaling_factor "
+                                                     "and model.model_config.rope_scaling"):
+        model_config_overrides(yaml_with(tmp_path, model_config="""\
+            scaling_factor: {factor: 4.0}
+            rope_scaling: {type: yarn, factor: 4.0}
+            """))
+
+
+@pytest.mark.parametrize("yaml_name, arch, overrides", [
+    ("predict_qwen3_moe_tiny.yaml", "Qwen3MoeForCausalLM", dict(MF_QWEN3_MOE, norm_topk_prob=True)),
+    ("predict_deepseek_v3_tiny.yaml", "DeepseekV3ForCausalLM",
+     dict(MF_DEEPSEEK_V3, rope_parameters=MF_DEEPSEEK_YARN, routed_scaling_factor=2.5,
+          norm_topk_prob=True)),
+])
+def test_tiny_moe_variants_match_the_test_models(tiny_model_factory, yaml_name, arch, overrides):
+    """small/predict_{qwen3_moe,deepseek_v3}_tiny.yaml describe the tiny checkpoints the
+    MindFormers serve tests run (tests/test_mindformers_backend.py): every field they set agrees
+    with vLLM's HF config of the checkpoint (as the configuration step reads it)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(tiny_model_factory(arch, **overrides)).to_dict()
+    cfg = model_config_overrides(load_mindformers_config(os.path.join(YAML_DIR, "small", yaml_name)))
+    assert cross_check(cfg, hf) == {}
+    assert {"num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"} <= set(cfg)
 
 
 def test_legacy_and_hf_key_names_and_float_strings(tmp_path):

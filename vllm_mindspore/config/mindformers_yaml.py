@@ -153,7 +153,23 @@ _MODEL_FIELDS: list[tuple[tuple[str, ...], str, type]] = [
     (("theta", "rope_theta"), "rope_theta", float),
     (("max_position_embeddings",), "max_position_embeddings", int),
     (("tie_word_embeddings",), "tie_word_embeddings", bool),
+    # MoE fields in HF's names, as the mcore models' YAMLs write them in model_config (mindformers
+    # merges model_config over config.json: a disagreement would run another routing than HF's).
+    (("n_routed_experts",), "n_routed_experts", int),
+    (("num_experts",), "num_experts", int),
+    (("num_experts_per_tok",), "num_experts_per_tok", int),
+    (("moe_intermediate_size",), "moe_intermediate_size", int),
+    (("n_shared_experts",), "n_shared_experts", int),
+    (("n_group",), "n_group", int),
+    (("topk_group",), "topk_group", int),
+    (("first_k_dense_replace",), "first_k_dense_replace", int),
+    (("routed_scaling_factor",), "routed_scaling_factor", float),
+    (("norm_topk_prob",), "norm_topk_prob", bool),
+    (("decoder_sparse_step",), "decoder_sparse_step", int),
 ]
+
+# config.json keys transformers 5 writes for a field under another name (attribute_map).
+_HF_SAVED_AS = {"num_experts": "num_local_experts"}
 
 # moe_config keys (MindFormers' DeepSeek YAMLs keep moe_config at the top level).
 _MOE_FIELDS: list[tuple[str, str, type]] = [
@@ -232,14 +248,25 @@ def model_config_overrides(yaml_cfg: dict) -> ModelConfigOverrides:
                 overrides.put(hf_key, _typed(moe[yaml_key], kind, f"{prefix}.{yaml_key}", source),
                               f"{prefix}.{yaml_key}")
 
-    scaling = model_config.get("scaling_factor")
-    if isinstance(scaling, dict):
-        rope_scaling: dict[str, Any] = {"rope_type": "yarn"}
+    # Rope scaling: the legacy models' scaling_factor (a mapping means YaRN), or the mcore models'
+    # rope_scaling in HF's form (its `type` or `rope_type` names the method).
+    present = [key for key in ("scaling_factor", "rope_scaling")
+               if isinstance(model_config.get(key), dict)]
+    if len(present) > 1:
+        hf_key = "rope_scaling"
+        raise MindFormersConfigError(
+            f"{source} sets both " + " and ".join(f"model.model_config.{key}" for key in present)
+            + f"; they mean the same ({hf_key}), keep one.")
+    for yaml_key in present:
+        scaling = model_config[yaml_key]
+        method = ("yarn" if yaml_key == "scaling_factor"
+                  else scaling.get("rope_type") or scaling.get("type"))
+        rope_scaling: dict[str, Any] = {"rope_type": method}
         for key, kind in _YARN_FIELDS:
             if scaling.get(key) is not None:
                 rope_scaling[key] = _typed(scaling[key], kind,
-                                           f"model.model_config.scaling_factor.{key}", source)
-        overrides.put("rope_scaling", rope_scaling, "model.model_config.scaling_factor")
+                                           f"model.model_config.{yaml_key}.{key}", source)
+        overrides.put("rope_scaling", rope_scaling, f"model.model_config.{yaml_key}")
     return overrides
 
 
@@ -301,6 +328,8 @@ def _moe_sections(yaml_cfg: dict, model_config: dict, source: str):
 def _hf_value(hf_config: dict, hf_key: str) -> Any:
     # transformers 5 moves rope_theta and the scaling fields into rope_parameters.
     value = hf_config.get(hf_key)
+    if value is None and hf_key in _HF_SAVED_AS:
+        value = hf_config.get(_HF_SAVED_AS[hf_key])
     rope_parameters = hf_config.get("rope_parameters") or {}
     if value is None and hf_key == "rope_theta":
         value = rope_parameters.get("rope_theta")
