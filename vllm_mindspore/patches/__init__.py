@@ -8,6 +8,7 @@ and the mindformers group by the MindFormers model backend. A patch whose target
 fails loudly instead of silently skipping.
 """
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ SAMPLER_PATCHES: list[Patch] = [
 ]
 
 _applied: set[str] = set()
+_originals: dict[str, object] = {}  # target -> the value the applied patch replaced
 
 
 def _resolve(target: str):
@@ -171,10 +173,30 @@ def apply(patches: list[Patch]) -> None:
         if patch.target in _applied or not patch.when():
             continue
         owner, attr = _resolve(patch.target)
-        setattr(owner, attr, patch.replacement(getattr(owner, attr)))
+        _originals[patch.target] = getattr(owner, attr)
+        setattr(owner, attr, patch.replacement(_originals[patch.target]))
         _applied.add(patch.target)
         logger.debug("patched %s (%s %s: %s)", patch.target, patch.package, patch.version,
                      patch.reason)
+
+
+@contextlib.contextmanager
+def suspended(patches: list[Patch]):
+    """The originals of those of `patches` this process applied, for the block (then the
+    replacements again). For a process that builds for another device than the one the patches
+    were applied for: the Ascend graph check on CPU, where CPU substitutes applied by an earlier
+    CPU build must not reach cells built for Ascend."""
+    restored = []
+    try:
+        for patch in patches:
+            if patch.target in _applied:
+                owner, attr = _resolve(patch.target)
+                restored.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, _originals[patch.target])
+        yield
+    finally:
+        for owner, attr, replacement in restored:
+            setattr(owner, attr, replacement)
 
 
 _applying = False

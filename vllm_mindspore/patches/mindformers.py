@@ -20,7 +20,7 @@ import types
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-from vllm_mindspore.patches import Patch, apply
+from vllm_mindspore.patches import Patch, apply, suspended
 
 MINDFORMERS_VERSION = "2.0.0"  # also pinned in scripts/versions.env (the install recipe)
 
@@ -191,3 +191,9 @@ def apply_mindformers_patches() -> None:
         "mindformers"))
     install_module_stubs()
     apply(MINDFORMERS_PATCHES)
+
+
+def cpu_substitutes_suspended():
+    """Context: mindformers' own cells and ops (no CPU substitute), in a CPU process where
+    `apply_mindformers_patches` applied them earlier; build and compile for Ascend inside it."""
+    return suspended(MINDFORMERS_PATCHES)
