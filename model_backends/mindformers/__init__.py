@@ -4,7 +4,7 @@ Runs in `MindSporePlatform.check_and_update_config`, i.e. in every vLLM process 
 starts, so a bad YAML or a YAML that contradicts the model folder fails early with a clear error.
 It never imports the mindformers package. `backend` (MindFormersBackend) runs mindformers' own
 model classes when the package is installed, configured by `config`, on CPU through
-`cpu_substitutes`.
+`cpu_substitutes`, on Ascend with mindformers' own ops.
 """
 
 import logging
@@ -19,6 +19,9 @@ CLI_DEFAULTS_APPLIED_ENV = "VLLM_MS_YAML_CLI_DEFAULTS_APPLIED"
 
 
 HF_LATENT_NORM_EPS = 1e-6
+# mindformers 2.0.0 builds MLA's PagedAttention with mla_v_dim=512 (DeepSeek-V3's kv_lora_rank),
+# whatever the model's rank.
+ASCEND_MLA_KV_LORA_RANK = 512
 
 
 def unexpressible_fields(arch: str | None, hf_text_config) -> list[str]:
@@ -55,22 +58,26 @@ def unexpressible_fields(arch: str | None, hf_text_config) -> list[str]:
 def package_limits(vllm_config) -> list[str]:
     """What in vLLM's config mindformers' own classes do not run here yet (the native
     implementation, configured from the YAML, runs it instead, and the log says why)."""
-    from vllm_mindspore.platform import ASCEND, kernel_device
-
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config.hf_config, "architectures", None) or [None])
     limits = unexpressible_fields(architectures[0], model_config.hf_text_config)
     if vllm_config.model_config.quantization:
         limits.append(f"--quantization {vllm_config.model_config.quantization} (mindformers' "
-                      "quantized layers are Ascend-only)")
-    if kernel_device() == ASCEND:
-        limits.append("Ascend (the adapter's FlashAttention prefill and PagedAttention increment "
-                      "graphs are not written yet)")
+                      "quantized layers: not driven by the adapter, and Ascend-only)")
     if (vllm_config.parallel_config.tensor_parallel_size != 1
             and architectures[0] in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")):
         limits.append("tensor parallelism for MoE and MLA models (not verified yet)")
     if vllm_config.parallel_config.enable_expert_parallel:
-        limits.append("expert parallelism (mindformers' expert dispatch is not substituted on CPU)")
+        limits.append("expert parallelism (mindformers' expert-parallel groups are not set up by "
+                      "the adapter, and its expert dispatch is not substituted on CPU)")
+    from vllm_mindspore.platform import ASCEND, kernel_device
+
+    kv_lora_rank = getattr(model_config.hf_text_config, "kv_lora_rank", None)
+    if (kernel_device() == ASCEND and architectures[0] == "DeepseekV3ForCausalLM"
+            and kv_lora_rank != ASCEND_MLA_KV_LORA_RANK):
+        limits.append(f"kv_lora_rank={kv_lora_rank} on Ascend (mindformers 2.0.0 builds MLA's "
+                      f"PagedAttention with mla_v_dim={ASCEND_MLA_KV_LORA_RANK}: its output "
+                      "would not fit the model's latent)")
     return limits
 
 

@@ -1,16 +1,27 @@
 """MindFormersBackend: mindformers' own mcore inference class (`Inference<Arch>`, registered as
 `mcore_<Arch>`) behind the model-backend contract.
 
-One step is one call of the mcore forward with the step's tensors. On CPU the mcore cells run
-this project's kernels (`cpu_substitutes`): the model stays on the per-position rope path
-(`is_prefill=False`) and one graph per padded token count serves any mix of prefills, chunks,
-prefix hits and decodes, with each layer's caches bound to its attention cell in this project's
-CPU layout. The decoder returns the final-normed hidden states; the logits are mf's output layer.
+One step is one call of the mcore forward with the step's tensors. The decoder returns the
+final-normed hidden states; the logits are mf's output layer, a second graph over sampled rows.
+
+- CPU: the mcore cells run this project's kernels (`cpu_substitutes`): the model stays on the
+  per-position rope path (`is_prefill=False`) and one graph per padded token count serves any mix
+  of prefills, chunks, prefix hits and decodes, with each layer's caches bound to its attention
+  cell in this project's CPU layout.
+- Ascend: mindformers' own cells and ops, driven as mindformers' inference expects: dynamic
+  shapes (its `set_dynamic_inputs`), two graphs chosen by the cell's `phase` and flags
+  (`add_flags_custom_mcore`): "prefill" for a step of first prefills only (FlashAttentionScore
+  over the new tokens, rope from the table by batch_valid_length, the 128x128 compressed causal
+  mask) and "increment" for every other step (decodes, chunks, prefix hits: PagedAttention with
+  per-request query lengths and causal mask rows by position, rope gathered by position). The
+  caches are graph inputs (per-layer lists, `mutable`) in the layout ReshapeAndCache and
+  PagedAttention take: [blocks, block_size, kv_heads, head_dim] keys and values, or one
+  [blocks, block_size, 1, kv_lora_rank + rope_dim] latent cache per MLA layer.
 """
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, mint, nn
+from mindspore import Parameter, mint, mutable, nn, ops
 from safetensors import safe_open
 
 from model_backends import MINDFORMERS
@@ -18,7 +29,8 @@ from model_backends.mindformers import package_limits
 from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByMindFormersError,
                                                mindformers_config)
 from model_backends.native.weights import WeightLoadError, is_mtp_tensor, safetensors_files
-from vllm_mindspore.platform import ASCEND, kernel_device
+from vllm_mindspore.ops.attention import prefill_mask
+from vllm_mindspore.platform import ASCEND, DEVICE, kernel_device
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM")
@@ -99,21 +111,27 @@ class MindFormersBackend:
 
     name = MINDFORMERS
 
-    def __init__(self, network, vllm_config, dtype, mla: bool):
+    def __init__(self, network, vllm_config, dtype, mla: bool, block_size: int):
         self.network = network
         self.dtype = dtype
         self.mla = mla  # multi-latent attention: one latent cache per layer
+        self.block_size = block_size
+        self.ascend = kernel_device() == ASCEND  # mindformers' own Ascend ops, dynamic shapes
         self.implementation = f"{type(network).__module__}.{type(network).__qualname__}"
         self.hidden_size = vllm_config.model_config.get_hidden_size()
         self.logits_head = LogitsHead(network.model.output_layer)
         self._weight_bytes = 0
+        # Ascend: the caches as graph inputs (allocate_kv_cache) and the graph the cell is on.
+        self.key_caches: list | None = None
+        self.value_caches: list | None = None
+        self._phase: str | None = None
 
     @classmethod
     def build(cls, model_class: str, vllm_config, block_size: int, dtype,
               static_shapes: bool) -> "MindFormersBackend":
         """The mcore network (`model_class`, from the registry) for vLLM's config, weights not
-        loaded. On CPU every graph has static shapes (one per padded token count): the
-        dynamic-shape Ascend graphs are refused by `check_supported` for now."""
+        loaded: for Ascend (`kernel_device()`) mindformers' own cells with dynamic shapes, else
+        with the CPU substitutes and static shapes (one graph per padded token count)."""
         arch = check_supported(vllm_config, dtype)
         from vllm_mindspore.patches.mindformers import apply_mindformers_patches
 
@@ -122,10 +140,9 @@ class MindFormersBackend:
         from mindformers.core.context import build_mf_context
         from mindspore.nn.utils import no_init_parameters
 
-        from model_backends.mindformers.cpu_substitutes import (bind_mla_attention,
-                                                                 bind_paged_attention)
-
-        config = mindformers_config(vllm_config, arch, block_size, dtype, kernel_device())
+        # mindformers' context sets the process's device (mindspore.set_device): the one this
+        # process runs on, also when its cells are built for Ascend (the graph check on CPU).
+        config = mindformers_config(vllm_config, arch, block_size, dtype, DEVICE)
         build_mf_context(config)
         initialize_tensor_parallel(vllm_config.parallel_config.tensor_parallel_size)
         with no_init_parameters():
@@ -138,10 +155,17 @@ class MindFormersBackend:
                 "(make install-mindformers).")
         model = network.model
         model.return_hidden_states = True  # the logits are a second graph over sampled rows
+        mla = arch in MLA_ARCHITECTURES
+        if kernel_device() == ASCEND:
+            backend = cls(network, vllm_config, dtype, mla, block_size)
+            backend.prepare_ascend_graphs(static_shapes)
+            return backend
+        from model_backends.mindformers.cpu_substitutes import (bind_mla_attention,
+                                                                 bind_paged_attention)
+
         model.move_lens_to_cpu = False  # MoveTo has no CPU kernel
         # Rope rows gathered by position for every token (the CPU rope takes per-token rows).
         network.add_flags_custom_mcore(is_prefill=False)
-        mla = arch in MLA_ARCHITECTURES
         for layer in model.decoder.layers:
             attention = layer.self_attention
             if mla:
@@ -149,7 +173,29 @@ class MindFormersBackend:
             else:
                 bind_paged_attention(attention.core_attention, 1.0 / attention.norm_factor,
                                      block_size)
-        return cls(network, vllm_config, dtype, mla)
+        return cls(network, vllm_config, dtype, mla, block_size)
+
+    def prepare_ascend_graphs(self, static_shapes: bool) -> None:
+        """Ascend: the graphs run as mindformers' `jit` runs them (O0, infer_boost). Dynamic
+        shapes (the worker's): one decoder graph per phase takes any token and request count
+        (mindformers' own `set_dynamic_inputs`: every input, the per-layer cache lists
+        included), one logits graph any row count. Static shapes: one graph per shape (the
+        Ascend graph check compiles those too: every dimension known, inference checks more)."""
+        jit = ms.JitConfig(jit_level="O0", infer_boost="on")
+        self.network.set_jit_config(jit)
+        self.logits_head.set_jit_config(jit)
+        # MindSpore runs the graph cached for a cell phase named "prefill" or "increment" on any
+        # call in that phase, whatever its shapes: static graphs take other phase names.
+        self._phases = ("prefill_static", "increment_static") if static_shapes else (
+            "prefill", "increment")
+        if not static_shapes:
+            self.network.set_dynamic_inputs()
+            self.logits_head.set_inputs(ms.Tensor(shape=[None, self.hidden_size],
+                                                  dtype=self.dtype))
+        self.prefill_mask = prefill_mask(self.dtype)
+        # PagedAttention's mask: 0 up to the token's position, then -10000 (MLA in bfloat16: 1,
+        # the MLA kernel's convention), as mindformers' own vLLM integration builds it.
+        self.masked_value = 1.0 if self.mla and self.dtype == ms.bfloat16 else -10000.0
 
     # ---- weights ---------------------------------------------------------------------------
     def _checkpoint(self, files: list[str], slices: list[_CheckpointSlice]):
@@ -192,6 +238,9 @@ class MindFormersBackend:
                 f"configured ({'; '.join(problems)}): config.json (or the YAML) and the weights "
                 "do not belong together.")
         network.process_weights_after_loading(network.model)
+        if self.ascend:  # mf's absorbed MLA weights and GroupedMLP run as they are
+            self._weight_bytes = sum(p.nbytes for _, p in network.parameters_and_names())
+            return
         from model_backends.mindformers.cpu_substitutes import absorb_mla, bind_moe_experts
 
         for index, layer in enumerate(network.model.decoder.layers):
@@ -217,7 +266,7 @@ class MindFormersBackend:
 
         if self.mla:  # one latent row per token: [c, k_pe]
             return {name: MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
-                                           head_size=cell.cpu_attention.latent_size,
+                                           head_size=self._latent_size(cell),
                                            dtype=torch_dtype)
                     for name, cell in self._attention_cells().items()}
         return {name: FullAttentionSpec(block_size=block_size, num_kv_heads=cell.kv_head_num,
@@ -225,7 +274,28 @@ class MindFormersBackend:
                                         dtype=torch_dtype)
                 for name, cell in self._attention_cells().items()}
 
+    def _latent_size(self, attention) -> int:
+        """An MLA layer's cached values per token: kv_lora_rank + the rope dimension."""
+        if self.ascend:
+            return attention.config.kv_lora_rank + attention.config.qk_pos_emb_head_dim
+        return attention.cpu_attention.latent_size
+
+    def _ascend_cache_shapes(self, cell, num_blocks: int) -> tuple:
+        """(key cache shape, value cache shape or None) of one layer, as ReshapeAndCache /
+        PagedAttention (and MLA's latent write) take them."""
+        if self.mla:
+            return (num_blocks, self.block_size, 1, self._latent_size(cell)), None
+        shape = (num_blocks, self.block_size, cell.kv_head_num, cell.hidden_size_per_attention_head)
+        return shape, shape
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.ascend:
+            shapes = [self._ascend_cache_shapes(cell, num_blocks)
+                      for cell in self._attention_cells().values()]
+            self.key_caches = [mint.zeros(key, dtype=self.dtype) for key, _ in shapes]
+            self.value_caches = None if self.mla else [mint.zeros(value, dtype=self.dtype)
+                                                       for _, value in shapes]
+            return
         for name, cell in self._attention_cells().items():
             if self.mla:
                 cell.kv_cache_cpu = Parameter(
@@ -248,14 +318,54 @@ class MindFormersBackend:
                     q_seq_lens=step.q_seq_lens, block_tables=step.block_tables,
                     slot_mapping=step.slot_mapping)
 
+    def _attention_mask(self, step) -> ms.Tensor:
+        """Ascend: the prefill graph's compressed causal mask, or the increment graph's causal
+        rows [T, max_blocks * block_size] by position (made on the device)."""
+        if step.prefill_only:
+            return self.prefill_mask
+        num_keys = step.block_tables.shape[1] * self.block_size
+        keys = ops.arange(0, num_keys, dtype=ms.int32).reshape(1, -1)
+        masked = ops.gt(keys, step.positions.reshape(-1, 1)).astype(ms.float32)
+        return (masked * self.masked_value).astype(self.dtype)
+
+    def _ascend_arguments(self, step) -> tuple:
+        """The mcore forward's arguments, positionally (its `set_dynamic_inputs` order):
+        input_ids, hidden_states, positions, batch_valid_length, context_lens_tensor,
+        q_seq_lens, block_tables, slot_mapping, attention_mask, attn_metadata, the four
+        data-parallel padding indices (unused at DP 1), key_cache, value_cache."""
+        context_lens = step.batch_valid_length.asnumpy() - step.q_seq_lens.asnumpy()
+        return (step.input_ids, None, step.positions, step.batch_valid_length,
+                ms.Tensor.from_numpy(context_lens), step.q_seq_lens, step.block_tables,
+                step.slot_mapping, self._attention_mask(step), None, None, None, None, None,
+                mutable(self.key_caches),
+                None if self.value_caches is None else mutable(self.value_caches))
+
+    def _enter_phase(self, prefill_only: bool) -> None:
+        """Ascend: put the network on the graph for this step. mindformers' cells read
+        `is_prefill` when a graph is compiled, and MindSpore keeps one dynamic-shape graph per
+        cell `phase` ("prefill" / "increment") and runs the one the phase names."""
+        phase = self._phases[0] if prefill_only else self._phases[1]
+        if phase != self._phase:
+            self.network.add_flags_custom_mcore(is_prefill=prefill_only)
+            self.network.phase = phase
+            self._phase = phase
+
     def compile_step(self, step) -> None:
-        """Compile by running `step` (padding only, as the runner's warm-up steps are): the
-        mcore construct is mindformers' jit-wrapped function, and `Cell.compile` would cache its
-        graph under another key than the call's."""
+        """Ascend: compile the step's graph (prefill or increment) without running it; the
+        calls of that phase then run it. CPU: compile by running `step` (padding only, as the
+        runner's warm-up steps are): the mcore construct is mindformers' jit-wrapped function,
+        and `Cell.compile` would cache its graph under another key than the call's."""
+        if self.ascend:
+            self._enter_phase(step.prefill_only)
+            self.network.compile(*self._ascend_arguments(step))
+            return
         self.forward(step)
 
     def forward(self, step) -> ms.Tensor:
         """StepTensors (T tokens) -> hidden [T, hidden], final norm applied."""
+        if self.ascend:
+            self._enter_phase(step.prefill_only)
+            return self.network(*self._ascend_arguments(step))
         return self.network(**self._arguments(step))
 
     def compile_logits(self, num_rows: int) -> None:
