@@ -38,6 +38,7 @@ def fresh_mindformers_context():
     yield
     MFContextOperator.reset_instance()
 
+
 _SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
 # name -> (architecture, tiny-config overrides)
