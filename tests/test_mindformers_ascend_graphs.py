@@ -13,9 +13,10 @@ import types
 
 import numpy as np
 import pytest
-from conftest import finish_deepseek_checkpoint, needs_mindformers, slow
+from conftest import (MF_DEEPSEEK_V3, MF_QWEN3_MOE, finish_deepseek_checkpoint,
+                      needs_mindformers, slow)
 from test_ascend_graphs import BLOCK_SIZE, MAX_BLOCKS, compile_outcome, step_inputs
-from test_mindformers_adapter import DEEPSEEK, QWEN3_MOE, environment_restored  # noqa: F401
+from test_mindformers_adapter import environment_restored  # noqa: F401
 
 from model_backends.contract import StepTensors
 
@@ -44,11 +45,11 @@ _SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
 # name -> (architecture, tiny-config overrides)
 MODELS = {
     "qwen3": ("Qwen3ForCausalLM", _SIZES),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(_SIZES, **QWEN3_MOE)),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(_SIZES, **MF_QWEN3_MOE)),
     # kv_lora_rank 512: mindformers 2.0.0's MLA PagedAttention takes no other (package_limits).
-    "deepseek-v3": ("DeepseekV3ForCausalLM", dict(DEEPSEEK, hidden_size=256, kv_lora_rank=512,
-                                                  qk_nope_head_dim=32, qk_rope_head_dim=64,
-                                                  head_dim=64, v_head_dim=32)),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", dict(
+        MF_DEEPSEEK_V3, hidden_size=256, kv_lora_rank=512, qk_nope_head_dim=32,
+        qk_rope_head_dim=64, head_dim=64, v_head_dim=32)),
 }
 
 
