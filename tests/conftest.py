@@ -182,6 +182,16 @@ def finish_deepseek_checkpoint(model_dir: str, non_negative_bias: bool = False) 
               os.path.join(model_dir, "mtp.safetensors"), metadata={"format": "pt"})
 
 
+def real_tiny_checkpoint(tiny_model_factory, arch: str, overrides: dict,
+                         non_negative_bias: bool = False) -> str:
+    """The factory's tiny model of `arch`, a DeepSeek-V3 one finished as a real checkpoint is
+    (finish_deepseek_checkpoint)."""
+    model_dir = tiny_model_factory(arch, **overrides)
+    if arch == "DeepseekV3ForCausalLM":
+        finish_deepseek_checkpoint(model_dir, non_negative_bias)
+    return model_dir
+
+
 class HFReference:
     """Greedy generation with HF transformers on the same folder, in float32."""
 

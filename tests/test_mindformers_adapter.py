@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 from conftest import (MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE, HFReference,
-                      assert_matches_hf, finish_deepseek_checkpoint, needs_mindformers)
+                      assert_matches_hf, needs_mindformers, real_tiny_checkpoint)
 
 from model_backends.contract import StepTensors
 
@@ -149,9 +149,7 @@ def served(request, tiny_model_factory):
 
     name = request.param
     arch, overrides, model_class = MODELS[name]
-    model_dir = tiny_model_factory(arch, **overrides)
-    if arch == "DeepseekV3ForCausalLM":
-        finish_deepseek_checkpoint(model_dir, non_negative_bias=True)
+    model_dir = real_tiny_checkpoint(tiny_model_factory, arch, overrides, non_negative_bias=True)
     ms.set_context(mode=ms.GRAPH_MODE)  # the device: CPU, MindSpore's default here
     backend = build(model_class, model_dir)
     backend.allocate_kv_cache(num_blocks=8)

@@ -13,8 +13,8 @@ import types
 
 import numpy as np
 import pytest
-from conftest import (MF_DEEPSEEK_V3, MF_QWEN3_MOE, finish_deepseek_checkpoint,
-                      needs_mindformers, slow)
+from conftest import (MF_DEEPSEEK_V3, MF_QWEN3_MOE, needs_mindformers, real_tiny_checkpoint,
+                      slow)
 from test_ascend_graphs import BLOCK_SIZE, MAX_BLOCKS, compile_outcome, step_inputs
 from test_mindformers_adapter import environment_restored  # noqa: F401
 
@@ -100,11 +100,7 @@ def check_mindformers_ascend_graphs(model_dir: str, arch: str, dtype, static_sha
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_factory):
     def make(name: str) -> str:
-        arch, overrides = MODELS[name]
-        model_dir = tiny_model_factory(arch, **overrides)
-        if arch == "DeepseekV3ForCausalLM":
-            finish_deepseek_checkpoint(model_dir)
-        return model_dir
+        return real_tiny_checkpoint(tiny_model_factory, *MODELS[name])
 
     return make
 

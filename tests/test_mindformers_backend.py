@@ -8,8 +8,8 @@ import os
 
 import pytest
 from conftest import (MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE, PROMPTS, ROOT, HFReference,
-                      assert_matches_hf, finish_deepseek_checkpoint, greedy_tokens,
-                      needs_mindformers, slow)
+                      assert_matches_hf, greedy_tokens, needs_mindformers,
+                      real_tiny_checkpoint, slow)
 
 from model_backends import mindformers_installed
 
@@ -95,10 +95,7 @@ CHUNKED_PREFIX_ARGS = ("--enable-chunked-prefill", "--max-num-batched-tokens", "
 
 def moe_model(tiny_model_factory, name: str) -> str:
     arch, overrides, _, _ = MOE_MODELS[name]
-    model_dir = tiny_model_factory(arch, **overrides)
-    if arch == "DeepseekV3ForCausalLM":
-        finish_deepseek_checkpoint(model_dir, non_negative_bias=True)
-    return model_dir
+    return real_tiny_checkpoint(tiny_model_factory, arch, overrides, non_negative_bias=True)
 
 
 def serve_twice(server, model: str, max_tokens: int = 8) -> tuple[list[list[int]], list[int]]:

@@ -8,7 +8,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import PROMPTS, HFReference, assert_matches_hf, finish_deepseek_checkpoint
+from conftest import PROMPTS, HFReference, assert_matches_hf, real_tiny_checkpoint
 
 MAX_TOKENS = 10
 BLOCK_SIZE = 16
@@ -50,11 +50,7 @@ def latent_size(config: dict) -> int:
 @pytest.fixture(scope="module")
 def models(tiny_model_factory):
     def build(name: str) -> str:
-        arch, overrides = MODELS[name]
-        model_dir = tiny_model_factory(arch, **overrides)
-        if arch == "DeepseekV3ForCausalLM":
-            finish_deepseek_checkpoint(model_dir)
-        return model_dir
+        return real_tiny_checkpoint(tiny_model_factory, *MODELS[name])
 
     return build
 

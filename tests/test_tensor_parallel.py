@@ -14,7 +14,7 @@ import pytest
 from conftest import (PROMPTS, ROOT, HFReference, assert_matches_hf, free_port,
                       needs_mindformers, slow)
 from test_moe_models import MODELS as MOE_MODELS
-from test_moe_models import finish_deepseek_checkpoint
+from conftest import real_tiny_checkpoint
 
 MODELS = {
     # MLA heads split (the latent cache replicated), experts split, one all-reduce per MoE.
@@ -71,10 +71,7 @@ SLOW_TP2 = {
     pytest.param(name, marks=slow(SLOW_TP2[name])) if name in SLOW_TP2 else name
     for name in MODELS])
 def test_tp2_matches_tp1_and_hf_with_half_the_weights(tiny_model_factory, name):
-    arch, overrides = MODELS[name]
-    model_dir = tiny_model_factory(arch, **overrides)
-    if arch == "DeepseekV3ForCausalLM":
-        finish_deepseek_checkpoint(model_dir)
+    model_dir = real_tiny_checkpoint(tiny_model_factory, *MODELS[name])
     single, (single_bytes,) = generate(model_dir, 1)
     double, rank_bytes = generate(model_dir, 2)
     assert_tp2_matches_tp1_and_hf(model_dir, single, single_bytes, double, rank_bytes,
