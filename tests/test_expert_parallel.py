@@ -4,8 +4,8 @@ dispatched with AllGather + AllReduce over MindSpore's mccl. Tokens equal EP off
 
 import pytest
 
-from conftest import PROMPTS, Server, free_port, greedy_tokens, slow
-from test_moe_models import MODELS, finish_deepseek_checkpoint
+from conftest import PROMPTS, Server, finish_deepseek_checkpoint, free_port, greedy_tokens, slow
+from test_moe_models import MODELS
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
         str(8 << 20), "--block-size", "16")

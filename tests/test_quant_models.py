@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, ROOT, HFReference, slow
-from test_moe_models import DEEPSEEK, finish_deepseek_checkpoint
+from conftest import PROMPTS, ROOT, HFReference, finish_deepseek_checkpoint, slow
+from test_moe_models import DEEPSEEK
 from test_tensor_parallel import generate
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
