@@ -535,7 +535,7 @@ def serve_run(engine: Engine, args, model: str, cpus, log_dir: str, tag: str) ->
                   "--num-warmups", str(args.serve_warmups), "--seed", str(args.seed),
                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                   "--save-result", "--result-dir", log_dir, "--result-filename", result_name,
-                  "--disable-tqdm"]
+                  "--save-detailed", "--disable-tqdm"]
         client_env = dict(base_env(cpus), VLLM_MS_DISABLE_PLATFORM="1")
         client_log = os.path.join(log_dir, f"{tag}.client.log")
         proc = start(client, client_env, client_log, cpus)

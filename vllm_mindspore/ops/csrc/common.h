@@ -49,6 +49,16 @@ inline lanes load_lanes(const half *p) {
   return v;
 }
 inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_lanes(half *p, lanes v) {
+#if defined(__AVX512F__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof(x));
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(p),
+                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int i = 0; i < kLanes; ++i) from_float(v[i], p + i);
+#endif
+}
 
 // 2^-k exp(x) for k = round(x / ln 2): Cephes' single-precision polynomial in r = x - k ln 2 (float or
 // lanes).
