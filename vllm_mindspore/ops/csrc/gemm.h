@@ -19,6 +19,13 @@ namespace vllm_ms {
 
 constexpr int kPanel = 32;   // output columns per panel: two vectors
 constexpr int kRows = 6;     // rows per register block: 12 accumulators
+// A decode step of up to this many rows runs as one block, so each weight panel is read once
+// (6 + 2 rows read it twice): 16 accumulators fit AVX-512's 32 registers, not AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int kSmallRows = 8;
+#else
+constexpr int kSmallRows = kRows;
+#endif
 constexpr int64_t kDepth = 512;  // K per pass, so a panel slice stays in cache across row blocks
 
 // c[0:R, 0:32] (+)= a[0:R, 0:depth] . panel[0:depth, 0:32]
@@ -44,7 +51,7 @@ void block(const float *__restrict a, int64_t lda, const W *__restrict panel, in
   }
 }
 
-template <typename W, int R = kRows>
+template <typename W, int R = kSmallRows>
 void block_n(int rows, const float *a, int64_t lda, const W *panel, int64_t depth, float *c,
              int64_t ldc, bool accumulate) {
   if constexpr (R > 1) {
@@ -68,16 +75,17 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
   // Equal chunks (a multiple of kRows each) rather than full ones and a short remainder.
   const int64_t chunk_rows = (M / chunks + (M % chunks > 0) + kRows - 1) / kRows * kRows;
+  const int64_t block_rows = M <= kSmallRows ? M : kRows;
 #pragma omp parallel for collapse(2) num_threads(num_threads) schedule(dynamic) \
     if (parallel && chunks * panels > 1)
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     for (int64_t p = 0; p < panels; ++p) {
       const W *panel = packed + p * K * kPanel;
       const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-      float tile[kRows * kPanel];  // the last panel's rows, when it is narrower than 32
+      float tile[kSmallRows * kPanel];  // the last panel's rows, when it is narrower than 32
       const int64_t end = std::min(M, (chunk + 1) * chunk_rows);
-      for (int64_t i = chunk * chunk_rows; i < end; i += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, end - i));
+      for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(block_rows, end - i));
         float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
         const int64_t ldc = columns == kPanel ? ldy : kPanel;
         for (int64_t k0 = 0; k0 < K; k0 += kDepth)
