@@ -108,7 +108,7 @@ const float *as_float(const T *x, int64_t n, std::vector<float> &buffer) {
     return x;
   } else {
     buffer.resize(n);
-    for (int64_t i = 0; i < n; ++i) buffer[i] = to_float(x[i]);
+    load(x, buffer.data(), n);
     return buffer.data();
   }
 }

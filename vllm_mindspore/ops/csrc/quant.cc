@@ -161,11 +161,6 @@ VLLM_MS_EXACT void dequant_dynamic(const int32_t *acc, int64_t M, int64_t N, con
     }
 }
 
-template <typename T>
-void store(const float *y, int64_t n, T *out) {
-  for (int64_t i = 0; i < n; ++i) from_float(y[i], out + i);
-}
-
 // ---- the linear operator -------------------------------------------------------------------------
 // params: x [M, K], packed [P, K4, 32, 4], corr [N], (static: act [2, K] = r | offset),
 // colp [C, N] = scale | bias; out [M, N] or [M, N / 2] (gated: silu(gate) * up).
@@ -215,7 +210,7 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
   if (gated)
     silu_and_mul(yf, M, N / 2, out);
   else if constexpr (!std::is_same_v<T, float>)
-    store(yf, M * N, out);
+    store(yf, out, M * N);
   return 0;
 }
 
