@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace vllm_ms {
 
@@ -55,20 +57,25 @@ inline void store_lanes(half *p, lanes v) {
 #endif
 }
 
-// dst[0:n] = src[0:n] as float32, and back: 16 lanes at a time (float16 <-> float32 one value at a time
-// made a float16 batch step slower than a float32 one).
-template <typename T>
-inline void load(const T *src, float *dst, int64_t n) {
+// dst[0:n] = src[0:n], float16 <-> float32 16 lanes at a time (one value at a time made a float16
+// batch step slower than a float32 one).
+template <typename S, typename D>
+inline void convert(const S *src, D *dst, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store_lanes(dst + i, load_lanes(src + i));
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
+  for (; i < n; ++i) from_float(to_float(src[i]), dst + i);
 }
 
+// x [n] as float32: x itself, or its conversion in `buffer`.
 template <typename T>
-inline void store(const float *src, T *dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store_lanes(dst + i, load_lanes(src + i));
-  for (; i < n; ++i) from_float(src[i], dst + i);
+const float *as_float(const T *x, int64_t n, std::vector<float> &buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    buffer.resize(n);
+    convert(x, buffer.data(), n);
+    return buffer.data();
+  }
 }
 
 // 2^-k exp(x) for k = round(x / ln 2): Cephes' single-precision polynomial in r = x - k ln 2 (float or

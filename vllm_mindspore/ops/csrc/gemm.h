@@ -102,17 +102,6 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias
   }
 }
 
-template <typename T>
-const float *as_float(const T *x, int64_t n, std::vector<float> &buffer) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    buffer.resize(n);
-    load(x, buffer.data(), n);
-    return buffer.data();
-  }
-}
-
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], 16 values at
 // a time (the scalar loop was not vectorised: 8% of a prefill step).
 template <typename T>

@@ -35,7 +35,7 @@ int run(void **params, int64_t **shapes, bool has_bias, bool gated) {
   if (gated) {
     silu_and_mul(y, M, N / 2, out);
   } else if constexpr (!std::is_same_v<T, float>) {
-    store(y, out, M * N);
+    convert(y, out, M * N);
   }
   return 0;
 }

@@ -221,7 +221,7 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
   for (int64_t i = item.q0; i < item.q1; ++i) {
     for (int64_t h = 0; h < heads; ++h) {
       float *qr = q + ((i - item.q0) * heads + h) * D;
-      load(query + (item.first_token + i) * s.query_stride + (item.h0 + h) * D, qr, D);
+      convert(query + (item.first_token + i) * s.query_stride + (item.h0 + h) * D, qr, D);
       for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
     }
   }
@@ -230,14 +230,6 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
   };
   auto value_block = [&](int64_t j) {
     return value_cache + (block_table[j] * s.num_kv_heads + item.kv_head) * bs * Dv;
-  };
-  auto as_float = [](const T *block, int64_t n, std::vector<float> &buffer) -> const float * {
-    if constexpr (std::is_same_v<T, float>) {
-      return block;
-    } else {
-      load(block, buffer.data(), n);
-      return buffer.data();
-    }
   };
   // Queries before position j * bs see nothing of block j: rows before this one skip it.
   auto first_row = [&](int64_t j) {

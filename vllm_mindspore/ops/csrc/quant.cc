@@ -210,7 +210,7 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
   if (gated)
     silu_and_mul(yf, M, N / 2, out);
   else if constexpr (!std::is_same_v<T, float>)
-    store(yf, out, M * N);
+    convert(yf, out, M * N);
   return 0;
 }
 
