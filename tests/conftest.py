@@ -193,20 +193,35 @@ def real_tiny_checkpoint(tiny_model_factory, arch: str, overrides: dict,
 
 
 class HFReference:
-    """Greedy generation with HF transformers on the same folder, in float32."""
+    """Greedy generation with HF transformers on the same folder, in float32; with
+    `linear_inputs="bfloat16"` every linear layer's input is rounded to bfloat16 first (what
+    vllm-mindspore's --dtype bfloat16 does on CPU)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, linear_inputs: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.linear_inputs = linear_inputs
+
+    @contextlib.contextmanager
+    def _rounding_linear_inputs(self):
+        functional = self.torch.nn.functional
+        linear = functional.linear
+        if self.linear_inputs == "bfloat16":
+            bfloat16 = self.torch.bfloat16
+            functional.linear = lambda x, *args: linear(x.to(bfloat16).float(), *args)
+        try:
+            yield
+        finally:
+            functional.linear = linear
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[list[float]]]:
         """-> (token ids, per-step full-vocabulary logprobs)."""
         torch = self.torch
-        with torch.no_grad():
+        with torch.no_grad(), self._rounding_linear_inputs():
             out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
                                       min_new_tokens=max_tokens, do_sample=False,
                                       output_logits=True, return_dict_in_generate=True,

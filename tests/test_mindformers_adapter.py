@@ -89,10 +89,10 @@ def build(model_class: str, model_dir: str):
     return backend
 
 
-def vllm_config(model_dir: str):
+def vllm_config(model_dir: str, dtype: str = "float32"):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model_dir, dtype="float32", max_model_len=MAX_BLOCKS * BLOCK_SIZE,
+    return EngineArgs(model=model_dir, dtype=dtype, max_model_len=MAX_BLOCKS * BLOCK_SIZE,
                       block_size=BLOCK_SIZE).create_engine_config()
 
 
@@ -251,13 +251,11 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_model_factory, monkeypat
 ])
 def test_unsupported_configurations_are_refused(tiny_model_factory, arch, overrides, dtype,
                                                 expected):
-    import mindspore as ms
-
     from model_backends.mindformers.backend import check_supported
     from model_backends.mindformers.config import UnsupportedByMindFormersError
 
     with pytest.raises(UnsupportedByMindFormersError, match=expected):
-        check_supported(vllm_config(tiny_model_factory(arch, **overrides)), getattr(ms, dtype))
+        check_supported(vllm_config(tiny_model_factory(arch, **overrides), dtype))
 
 
 @pytest.mark.parametrize("rope, expected", [

@@ -64,14 +64,30 @@ def visible_npus() -> int:
     return len(glob.glob("/dev/davinci[0-9]*"))
 
 
+def cpu_has_bfloat16_dot() -> bool:
+    """AVX512-BF16 (vdpbf16ps), which the CPU kernels' bfloat16 matmul is written for."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    return "avx512_bf16" in flags.split()
+
+
+def bfloat16_weights_on_cpu(model_dtype: torch.dtype, device: str | None = None) -> bool:
+    """--dtype bfloat16 on CPU: MindSpore's CPU kernels have no bfloat16 Reshape, Gather or Sub,
+    so the graph computes in float32 (activations, norms, attention, KV cache) and the dense
+    projections take bfloat16 weights and round their inputs to bfloat16 (the plugin's AVX512-BF16
+    matmul, float32 sums): a bfloat16 model's speed, with fewer roundings than torch's."""
+    return (device or DEVICE) == CPU and model_dtype == torch.bfloat16
+
+
 def check_dtype_for_device(device: str, dtype: str) -> None:
-    """CPU computes in float32 or float16 (MindSpore has no bfloat16 matmul there); Ascend's
-    fused cache, attention and rope kernels take bfloat16 or float16 only."""
-    if device == CPU and dtype == "bfloat16":
+    """CPU computes in float32 or float16, and bfloat16 as `bfloat16_weights_on_cpu` says (on
+    CPUs with AVX512-BF16); Ascend's fused cache, attention and rope kernels take bfloat16 or
+    float16 only."""
+    if device == CPU and dtype == "bfloat16" and not cpu_has_bfloat16_dot():
         raise ValueError(
-            "--dtype bfloat16 is not supported on CPU: MindSpore has no bfloat16 matmul there. "
-            "Use --dtype float32 (fastest on CPU) or float16; bfloat16 checkpoints are cast on "
-            "load.")
+            "--dtype bfloat16 on CPU needs AVX512-BF16 (the avx512_bf16 flag in /proc/cpuinfo), "
+            "which this CPU lacks. Use --dtype float32 (or float16); bfloat16 checkpoints are "
+            "cast on load.")
     if device == ASCEND and dtype == "float32":
         raise ValueError(
             "--dtype float32 is not supported on Ascend: the fused KV-cache, attention and rope "
@@ -178,7 +194,8 @@ class MindSporePlatform(Platform):
     def supported_dtypes(self) -> list[torch.dtype]:
         if DEVICE == ASCEND:  # the first is what --dtype auto picks for float32 checkpoints
             return [torch.bfloat16, torch.float16]
-        # MindSpore on CPU has no bfloat16 matmul; float32 is its fastest dtype there.
+        # auto keeps float32 on CPU (bfloat16 checkpoints are cast on load): bfloat16 here would
+        # make it the default for bfloat16 checkpoints; --dtype bfloat16 asks for it.
         return [torch.float32, torch.float16]
 
     @classmethod

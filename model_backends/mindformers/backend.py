@@ -30,7 +30,7 @@ from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByM
                                                mindformers_config)
 from model_backends.native.weights import WeightLoadError, is_mtp_tensor, safetensors_files
 from vllm_mindspore.ops.attention import prefill_mask
-from vllm_mindspore.platform import ASCEND, DEVICE, kernel_device
+from vllm_mindspore.platform import ASCEND, DEVICE, bfloat16_weights_on_cpu, kernel_device
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM")
@@ -69,7 +69,7 @@ class LogitsHead(nn.Cell):
 
 
 # HF's DeepSeek-V3 q_a_layernorm / kv_a_layernorm: built with the RMSNorm default eps.
-def check_supported(vllm_config, dtype) -> str:
+def check_supported(vllm_config) -> str:
     """-> the architecture; refuses what this backend cannot run yet, naming the alternative."""
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config.hf_config, "architectures", None) or [])
@@ -80,9 +80,9 @@ def check_supported(vllm_config, dtype) -> str:
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} so far (mindformers 2.0.0 has no "
                         "mcore Llama class)")
     problems += package_limits(vllm_config)
-    if kernel_device() != ASCEND and dtype == ms.bfloat16:
-        problems.append("--dtype bfloat16 on CPU: MindSpore has no bfloat16 matmul there; use "
-                        "float32 or float16")
+    if bfloat16_weights_on_cpu(model_config.dtype, kernel_device()):
+        problems.append("--dtype bfloat16 on CPU: MindSpore has no bfloat16 matmul there (the "
+                        "native backend's own kernels have); use float32 or float16")
     if problems:
         raise UnsupportedByMindFormersError(
             "The MindFormers backend cannot run this configuration: " + "; ".join(problems)
@@ -132,7 +132,7 @@ class MindFormersBackend:
         """The mcore network (`model_class`, from the registry) for vLLM's config, weights not
         loaded: for Ascend (`kernel_device()`) mindformers' own cells with dynamic shapes, else
         with the CPU substitutes and static shapes (one graph per padded token count)."""
-        arch = check_supported(vllm_config, dtype)
+        arch = check_supported(vllm_config)
         from vllm_mindspore.patches.mindformers import apply_mindformers_patches
 
         apply_mindformers_patches()

@@ -12,6 +12,8 @@ from vllm.config import set_current_vllm_config
 from model_backends import NATIVE, import_target
 from model_backends.contract import ModelBackend, StepTensors
 from model_backends.native.weights import load_checkpoint, process_weights_after_loading
+from vllm_mindspore.ops.linear import packing_bfloat16
+from vllm_mindspore.platform import bfloat16_weights_on_cpu, kernel_device
 
 
 class StaticGraphs:
@@ -73,7 +75,10 @@ class NativeBackend:
         return cls(cell, model_class.replace(":", "."), vllm_config, dtype, static_shapes)
 
     def load_weights(self, model_dir: str, quantization: str | None) -> None:
-        with set_current_vllm_config(self.vllm_config):  # expert sharding reads the EP layout
+        bfloat16_weights = bfloat16_weights_on_cpu(self.vllm_config.model_config.dtype,
+                                                   kernel_device())
+        # expert sharding reads the EP layout
+        with set_current_vllm_config(self.vllm_config), packing_bfloat16(bfloat16_weights):
             load_checkpoint(self.cell, model_dir, self.cell.checkpoint_name_to_param,
                             quantization)
             process_weights_after_loading(self.cell)

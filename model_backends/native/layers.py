@@ -16,7 +16,7 @@ from mindspore.common.initializer import initializer
 
 from vllm_mindspore.distributed.communication import sized_collective, tp_group
 from vllm_mindspore.ops.host import parameter, to_host
-from vllm_mindspore.ops.linear import pack_panels, packed_matmul
+from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul
 from vllm_mindspore.ops.quant import QuantLinearMethod
 from vllm_mindspore.platform import ASCEND, CPU, kernel_device
 
@@ -181,7 +181,8 @@ class Linear(nn.Cell):
             return
         self.packed = packed_matmul(self.out_features, self.bias is not None and self.fuses_bias,
                                     self.act is not None)
-        self.weight = parameter(pack_panels(to_host(self.weight)), self.weight.dtype,
+        dtype = packed_dtype(self.weight.dtype)
+        self.weight = parameter(pack_panels(to_host(self.weight), dtype), dtype,
                                 f"{prefix}.weight")
 
     fuses_bias = True  # the bias is added by the matmul (RowParallelLinear adds it after reducing)
@@ -361,7 +362,8 @@ class ParallelLMHead(nn.Cell):
             return
         weight = self.tied.weight if self.tied is not None else self.weight
         self.packed = packed_matmul(weight.shape[0])
-        self.weight = parameter(pack_panels(to_host(weight)), weight.dtype, f"{prefix}.weight")
+        dtype = packed_dtype(weight.dtype)
+        self.weight = parameter(pack_panels(to_host(weight), dtype), dtype, f"{prefix}.weight")
         self.tied = None
 
     def construct(self, hidden):

@@ -6,22 +6,54 @@
   2.5-3x faster than MindSpore's CPU MatMul (bound by memory bandwidth rather than by the
   operand layout), and about as fast at prefill sizes. A fused gate|up projection can apply
   silu(gate) * up in the same call.
+- CPU with --dtype bfloat16: the graph computes in float32 (MindSpore's CPU Reshape, Gather,
+  Sub... have no bfloat16 kernels), and the dense weights are packed in bfloat16, pairs of input
+  features interleaved ([ceil(out / 32), ceil(in / 2), 32, 2]) for AVX512-BF16's vdpbf16ps: the
+  kernel rounds x to bfloat16 and sums in float32, at twice the float32 rate.
 """
 
+import contextlib
+
+import mindspore as ms
 import numpy as np
 
 from vllm_mindspore.ops import kernels
 
 PANEL = 32
 
+_bfloat16_weights = False
 
-def pack_panels(weight: np.ndarray) -> np.ndarray:
-    """[out, in] -> [ceil(out / 32), in, 32], the last panel zero-padded."""
+
+@contextlib.contextmanager
+def packing_bfloat16(enabled: bool):
+    """Weights packed in this block (`packed_dtype`) are bfloat16 when `enabled`."""
+    global _bfloat16_weights
+    previous, _bfloat16_weights = _bfloat16_weights, enabled
+    try:
+        yield
+    finally:
+        _bfloat16_weights = previous
+
+
+def packed_dtype(dtype):
+    """The dtype a float weight of a `dtype` model is packed in for the CPU kernels."""
+    return ms.bfloat16 if _bfloat16_weights else dtype
+
+
+def pack_panels(weight: np.ndarray, dtype) -> np.ndarray:
+    """[out, in] -> [ceil(out / 32), in, 32], the last panel zero-padded; for a bfloat16 `dtype`
+    [ceil(out / 32), ceil(in / 2), 32, 2] (in padded to even)."""
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
-    padded = np.zeros((panels * PANEL, in_features), weight.dtype)
-    padded[:out_features] = weight
-    return np.ascontiguousarray(padded.reshape(panels, PANEL, in_features).transpose(0, 2, 1))
+    pairs = dtype == ms.bfloat16
+    padded_in = in_features + in_features % 2 if pairs else in_features
+    padded = np.zeros((panels * PANEL, padded_in), weight.dtype)
+    padded[:out_features, :in_features] = weight
+    if pairs:
+        packed = padded.reshape(panels, PANEL, padded_in // 2, 2).transpose(0, 2, 1, 3)
+    else:
+        packed = padded.reshape(panels, PANEL, padded_in).transpose(0, 2, 1)
+    return np.ascontiguousarray(packed)
 
 
 def packed_matmul(out_features: int, bias: bool = False, silu_and_mul: bool = False):

@@ -33,7 +33,7 @@ from mindspore.ops.auto_generate import grouped_matmul_v4
 from vllm_mindspore.distributed.communication import sized_collective
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter, to_host
-from vllm_mindspore.ops.linear import pack_panels
+from vllm_mindspore.ops.linear import pack_panels, packed_dtype
 from vllm_mindspore.ops.quant import QuantExperts
 from vllm_mindspore.platform import ASCEND, kernel_device
 
@@ -102,7 +102,12 @@ class MoEDispatch(nn.Cell):
     def set_weights(self, gate_up, down, dtype, prefix: str) -> None:
         """Each expert's float weights as host arrays [out, in]: gate_up [2I, D] (gate first),
         down [D, I] -> w13 and w2 in this device's layout (see `stack_experts`)."""
-        layout = (lambda w: w.T) if self.grouped else pack_panels
+        if not self.grouped:
+            dtype = packed_dtype(dtype)
+
+        def layout(weight):
+            return weight.T if self.grouped else pack_panels(weight, dtype)
+
         self.w13 = parameter(np.stack([layout(w) for w in gate_up]), dtype, f"{prefix}.w13")
         self.w2 = parameter(np.stack([layout(w) for w in down]), dtype, f"{prefix}.w2")
 

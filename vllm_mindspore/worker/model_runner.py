@@ -37,7 +37,7 @@ from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
 from vllm_mindspore.patches import SAMPLER_PATCHES, apply
-from vllm_mindspore.platform import ASCEND, DEVICE
+from vllm_mindspore.platform import ASCEND, DEVICE, bfloat16_weights_on_cpu
 
 logger = init_logger("vllm.vllm_mindspore.model_runner")
 
@@ -147,7 +147,10 @@ class MindSporeModelRunner:
         self.scheduler_config = vllm_config.scheduler_config
         self.max_model_len = self.model_config.max_model_len
         self.block_size = self.cache_config.block_size
-        self.dtype = MS_DTYPES[self.model_config.dtype]
+        # The graph's dtype; bfloat16 on CPU computes in float32 around bfloat16 matmuls.
+        self.bfloat16_weights = bfloat16_weights_on_cpu(self.model_config.dtype)
+        self.torch_dtype = torch.float32 if self.bfloat16_weights else self.model_config.dtype
+        self.dtype = MS_DTYPES[self.torch_dtype]
         self.device = torch.device("cpu")
         # Not `self.model`: vLLM's LLMEngine reads `model_runner.model` as a torch module at exit.
         self.backend: ModelBackend | None = None
@@ -184,7 +187,7 @@ class MindSporeModelRunner:
                                    static_shapes=self.sizes.static)
 
     def get_kv_cache_spec(self):
-        return self.backend.kv_cache_spec(self.block_size, self.model_config.dtype)
+        return self.backend.kv_cache_spec(self.block_size, self.torch_dtype)
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
         self.backend.allocate_kv_cache(kv_cache_config.num_blocks)

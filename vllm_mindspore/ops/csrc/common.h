@@ -21,11 +21,28 @@ inline int num_threads = 1;
 constexpr int64_t kParallelElements = 16384;
 
 using half = uint16_t;
+// bfloat16: the upper half of a float32's bits (a struct, so overloads tell it from half).
+struct bf16 {
+  uint16_t bits;
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(half x) { return _cvtsh_ss(x); }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 inline void from_float(float x, float *out) { *out = x; }
 inline void from_float(float x, half *out) { *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+// Rounded to nearest, ties to even (as torch and numpy round to bfloat16; finite x).
+inline void from_float(float x, bf16 *out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7fff + ((bits >> 16) & 1);
+  out->bits = static_cast<uint16_t>(bits >> 16);
+}
 
 typedef float lanes __attribute__((vector_size(64)));
 constexpr int kLanes = 16;

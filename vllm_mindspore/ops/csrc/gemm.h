@@ -4,6 +4,11 @@
 // contiguous values ([N / 32, K, 32], the last panel zero-padded), so the matmul streams every
 // weight exactly once, in order, whatever the number of rows: a decode step of a few tokens is
 // bound by memory bandwidth, a prefill step by the 6 x 32 register-blocked inner loop.
+//
+// bfloat16 weights are packed in pairs of k instead ([N / 32, K / 2, 32, 2], K padded to even),
+// the layout of AVX512-BF16's vdpbf16ps: one instruction multiplies two k of 16 columns by the
+// row's two bfloat16 activations and adds both products to 16 float32 accumulators (twice the
+// float32 FMA's rate). The rows of x are rounded to bfloat16 for it; sums stay float32.
 #pragma once
 
 #include <omp.h>
@@ -28,6 +33,25 @@ constexpr int kSmallRows = kRows;
 #endif
 constexpr int64_t kDepth = 512;  // K per pass, so a panel slice stays in cache across row blocks
 
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// How a panel of W stores its k: one float32/float16 value per k, or bfloat16 pairs of k (the
+// rows of x then enter as pairs too: Step is the element one k step of a row reads).
+template <typename W>
+struct PanelFormat {
+  using Step = float;
+  static constexpr int64_t kPerStep = 1;
+};
+template <>
+struct PanelFormat<bf16> {
+  using Step = uint32_t;  // two bfloat16 of x: k and k + 1
+  static constexpr int64_t kPerStep = 2;
+};
+
 // c[0:R, 0:32] (+)= a[0:R, 0:depth] . panel[0:depth, 0:32]
 template <int R, typename W>
 void block(const float *__restrict a, int64_t lda, const W *__restrict panel, int64_t depth,
@@ -51,13 +75,61 @@ void block(const float *__restrict a, int64_t lda, const W *__restrict panel, in
   }
 }
 
+// The same over bfloat16 pairs: a[i][p] holds row i's k = 2p, 2p + 1; panel [pairs, 32, 2].
+template <int R>
+void block(const uint32_t *__restrict a, int64_t lda, const bf16 *__restrict panel, int64_t pairs,
+           float *__restrict c, int64_t ldc, bool accumulate) {
+#if defined(__AVX512BF16__)
+  __m512 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) {
+    lo[i] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+    hi[i] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kPanel);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kPanel + kPanel);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh ap = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
+      lo[i] = _mm512_dpbf16_ps(lo[i], ap, b0);
+      hi[i] = _mm512_dpbf16_ps(hi[i], ap, b1);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(c + i * ldc, lo[i]);
+    _mm512_storeu_ps(c + i * ldc + 16, hi[i]);
+  }
+#else
+  (void)a, (void)lda, (void)panel, (void)pairs, (void)c, (void)ldc, (void)accumulate;
+#endif
+}
+
 template <typename W, int R = kSmallRows>
-void block_n(int rows, const float *a, int64_t lda, const W *panel, int64_t depth, float *c,
-             int64_t ldc, bool accumulate) {
+void block_n(int rows, const typename PanelFormat<W>::Step *a, int64_t lda, const W *panel,
+             int64_t depth, float *c, int64_t ldc, bool accumulate) {
   if constexpr (R > 1) {
     if (rows < R) return block_n<W, R - 1>(rows, a, lda, panel, depth, c, ldc, accumulate);
   }
   block<R>(a, lda, panel, depth, c, ldc, accumulate);
+}
+
+// The rows of x as the panels of W read them: x itself, or (bfloat16 W) each row rounded to
+// bfloat16 in pairs of k, zero-padded to `steps` pairs.
+template <typename W>
+const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t K, int64_t steps,
+                                              std::vector<uint32_t> &buffer, bool parallel) {
+  if constexpr (std::is_same_v<W, bf16>) {
+    buffer.resize(M * steps);
+    bf16 *rows = reinterpret_cast<bf16 *>(buffer.data());
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (parallel && M * K >= kParallelElements)
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) from_float(x[m * K + k], rows + m * 2 * steps + k);
+      if (K % 2) rows[m * 2 * steps + K] = bf16{0};
+    }
+    return buffer.data();
+  } else {
+    return x;
+  }
 }
 
 // y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias)
@@ -68,9 +140,13 @@ void block_n(int rows, const float *a, int64_t lda, const W *panel, int64_t dept
 // 32, the step a third slower). `parallel` off: the caller already runs one matmul per thread.
 constexpr int64_t kRowChunk = 16 * kRows;
 
-template <typename W>
-void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias, int64_t N,
+template <typename W, typename B>
+void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias, int64_t N,
             float *y, int64_t ldy, bool parallel = true) {
+  constexpr int64_t per_step = PanelFormat<W>::kPerStep;
+  const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
+  thread_local std::vector<uint32_t> step_buffer;
+  const auto *a = as_steps<W>(x, M, K, steps, step_buffer, parallel);
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
   // Equal chunks (a multiple of kRows each) rather than full ones and a short remainder.
@@ -80,7 +156,7 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias
     if (parallel && chunks * panels > 1)
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     for (int64_t p = 0; p < panels; ++p) {
-      const W *panel = packed + p * K * kPanel;
+      const W *panel = packed + p * steps * per_step * kPanel;
       const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
       float tile[kSmallRows * kPanel];  // the last panel's rows, when it is narrower than 32
       const int64_t end = std::min(M, (chunk + 1) * chunk_rows);
@@ -88,9 +164,9 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const W *bias
         const int rows = static_cast<int>(std::min<int64_t>(block_rows, end - i));
         float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
         const int64_t ldc = columns == kPanel ? ldy : kPanel;
-        for (int64_t k0 = 0; k0 < K; k0 += kDepth)
-          block_n(rows, x + i * K + k0, K, panel + k0 * kPanel, std::min(kDepth, K - k0), c,
-                  ldc, k0 > 0);
+        for (int64_t s0 = 0; s0 < steps; s0 += depth)
+          block_n(rows, a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
+                  std::min(depth, steps - s0), c, ldc, s0 > 0);
         for (int r = 0; r < rows; ++r) {
           float *out = y + (i + r) * ldy + p * kPanel;
           if (c == tile) std::memcpy(out, tile + r * kPanel, columns * sizeof(float));

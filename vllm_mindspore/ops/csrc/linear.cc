@@ -1,7 +1,8 @@
 // CPU kernels behind vllm_mindspore.ops.linear, called by MindSpore as `ops.Custom(func_type="aot")`
 // operators: y = x @ W (+ bias), optionally followed by silu(gate) * up for a fused gate|up
 // projection.
-// The weights are packed in panels (gemm.h).
+// The weights are packed in panels (gemm.h): float32/float16 like x, or bfloat16 (in pairs of k,
+// x float32).
 
 #include <cstdint>
 #include <cstring>
@@ -13,15 +14,23 @@ namespace {
 
 using namespace vllm_ms;
 
-template <typename T>
+// packed [P, K, 32] (W float32/float16) or [P, ceil(K / 2), 32, 2] (bfloat16 pairs)
+template <typename W>
+bool packed_shape_fits(const int64_t *packed, int64_t K, int64_t N) {
+  if (packed[0] * kPanel < N) return false;
+  if constexpr (std::is_same_v<W, bf16>) return packed[1] == (K + 1) / 2 && packed[3] == 2;
+  return packed[1] == K;
+}
+
+template <typename T, typename W>
 int run(void **params, int64_t **shapes, bool has_bias, bool gated) {
   const T *x = static_cast<const T *>(params[0]);
-  const T *packed = static_cast<const T *>(params[1]);
+  const W *packed = static_cast<const W *>(params[1]);
   const T *bias = has_bias ? static_cast<const T *>(params[2]) : nullptr;
   T *out = static_cast<T *>(params[has_bias ? 3 : 2]);
   const int64_t M = shapes[0][0], K = shapes[0][1];
   const int64_t N = shapes[has_bias ? 3 : 2][1] * (gated ? 2 : 1);
-  if (shapes[1][1] != K || shapes[1][0] * kPanel < N) return 1;
+  if (!packed_shape_fits<W>(shapes[1], K, N)) return 1;
   thread_local std::vector<float> x_buffer, y_buffer;
   const float *xf = as_float(x, M * K, x_buffer);
   float *y;
@@ -41,15 +50,20 @@ int run(void **params, int64_t **shapes, bool has_bias, bool gated) {
 }
 
 int dispatch(const char **dtypes, void **params, int64_t **shapes, bool has_bias, bool gated) {
-  if (std::strcmp(dtypes[0], "float16") == 0) return run<half>(params, shapes, has_bias, gated);
-  return run<float>(params, shapes, has_bias, gated);
+  if (std::strcmp(dtypes[1], "bfloat16") == 0) {
+    if (!kHasBf16Dot || std::strcmp(dtypes[0], "float32") != 0) return 1;
+    return run<float, bf16>(params, shapes, has_bias, gated);
+  }
+  if (std::strcmp(dtypes[0], "float16") == 0)
+    return run<half, half>(params, shapes, has_bias, gated);
+  return run<float, float>(params, shapes, has_bias, gated);
 }
 
 }  // namespace
 
 extern "C" {
 
-// x [M, K], packed [P, K, 32] -> y [M, N]
+// x [M, K], packed [P, K, 32] or [P, ceil(K / 2), 32, 2] -> y [M, N]
 int Linear(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
            void *) {
   return nparam == 3 ? dispatch(dtypes, params, shapes, false, false) : 1;

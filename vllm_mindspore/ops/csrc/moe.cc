@@ -16,18 +16,23 @@ namespace {
 
 using namespace vllm_ms;
 
-template <typename T>
-int run(void **params, int64_t **shapes) {
+// w13 [E, P13, D, 32] and w2 [E, P2, I, 32] like x, or bfloat16 pairs [E, P13, D / 2, 32, 2] and
+// [E, P2, I / 2, 32, 2] (x float32; D and I even)
+template <typename T, typename W>
+int run(void **params, int64_t **shapes, int w13_dims) {
   const T *x = static_cast<const T *>(params[0]);
   const int32_t *ids = static_cast<const int32_t *>(params[1]);
   const float *weights = static_cast<const float *>(params[2]);
-  const T *w13 = static_cast<const T *>(params[3]);
-  const T *w2 = static_cast<const T *>(params[4]);
+  const W *w13 = static_cast<const W *>(params[3]);
+  const W *w2 = static_cast<const W *>(params[4]);
   T *out = static_cast<T *>(params[5]);
+  constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t tokens = shapes[0][0], D = shapes[0][1], K = shapes[1][1];
-  const int64_t experts = shapes[3][0], I = shapes[4][2];
+  const int64_t experts = shapes[3][0], I = shapes[4][2] * per_step;
   const int64_t w13_size = shapes[3][1] * D * kPanel, w2_size = shapes[4][1] * I * kPanel;
-  if (shapes[3][2] != D || shapes[3][1] * kPanel < 2 * I || shapes[4][1] * kPanel < D) return 1;
+  if (w13_dims != (per_step == 2 ? 5 : 4) || shapes[3][2] * per_step != D ||
+      shapes[3][1] * kPanel < 2 * I || shapes[4][1] * kPanel < D)
+    return 1;
 
   std::vector<int64_t> start, order;
   group_by_expert(ids, tokens * K, experts, start, order);
@@ -46,11 +51,11 @@ int run(void **params, int64_t **shapes) {
     down.resize(n * D);
     for (int64_t j = 0; j < n; ++j)
       std::memcpy(rows.data() + j * D, xf + order[start[e] + j] / K * D, D * sizeof(float));
-    matmul(rows.data(), n, D, w13 + e * w13_size, static_cast<const T *>(nullptr), 2 * I,
+    matmul(rows.data(), n, D, w13 + e * w13_size, static_cast<const float *>(nullptr), 2 * I,
            gate_up.data(), 2 * I, false);
     silu_and_mul(gate_up.data(), n, I, act.data());
-    matmul(act.data(), n, I, w2 + e * w2_size, static_cast<const T *>(nullptr), D, down.data(),
-           D, false);
+    matmul(act.data(), n, I, w2 + e * w2_size, static_cast<const float *>(nullptr), D,
+           down.data(), D, false);
     weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
   }
   sum_copies(copies.data(), tokens, K, D, out);
@@ -63,12 +68,17 @@ extern "C" {
 
 // x [T, D], ids [T, K] int32 (this rank's expert index; others are skipped), weights [T, K]
 // float32, w13 [E, P13, D, 32] (gate|up, 2I columns, packed), w2 [E, P2, I, 32] (down, D
-// columns, packed) -> out [T, D] = sum over k of weights[t, k] * expert_ids[t, k](x[t])
-int MoeExperts(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
-               void *) {
+// columns, packed), or both in bfloat16 pairs (see run)
+//   -> out [T, D] = sum over k of weights[t, k] * expert_ids[t, k](x[t])
+int MoeExperts(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+               void *, void *) {
   if (nparam != 6) return 1;
-  if (std::strcmp(dtypes[0], "float16") == 0) return run<half>(params, shapes);
-  return run<float>(params, shapes);
+  if (std::strcmp(dtypes[3], "bfloat16") == 0) {
+    if (!kHasBf16Dot || std::strcmp(dtypes[0], "float32") != 0) return 1;
+    return run<float, bf16>(params, shapes, ndims[3]);
+  }
+  if (std::strcmp(dtypes[0], "float16") == 0) return run<half, half>(params, shapes, ndims[3]);
+  return run<float, float>(params, shapes, ndims[3]);
 }
 
 }  // extern "C"

@@ -1,0 +1,111 @@
+"""The CPU dense-projection and MoE-expert kernels (csrc/linear.cc, csrc/moe.cc over csrc/gemm.h's
+packed-panel matmul) against numpy in float64, for every weight dtype the kernels take: float32,
+float16 (activations float16 too) and bfloat16 (AVX512-BF16: float32 activations rounded to
+bfloat16 at the matmul's input, float32 sums). Shapes cover an odd K, N not a multiple of 32,
+decode-sized blocks (1, 8, 9 rows) and several row chunks (300 rows)."""
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+
+from vllm_mindspore.ops.host import parameter
+from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul, packing_bfloat16
+from vllm_mindspore.ops.moe import MoEDispatch
+from vllm_mindspore.ops.quant_reference import to_dtype
+from vllm_mindspore.platform import cpu_has_bfloat16_dot
+
+ms.set_context(mode=ms.GRAPH_MODE)
+
+MS_DTYPES = {"float32": ms.float32, "float16": ms.float16}
+# Sums of float32 products in another order; float16 outputs are rounded once more.
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-5}
+WEIGHT_DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not cpu_has_bfloat16_dot(), reason="this CPU has no AVX512-BF16"))]
+
+
+class Run(nn.Cell):
+    def __init__(self, op, *params):
+        super().__init__()
+        self.op = op
+        self.params = params
+
+    def construct(self, *args):
+        return self.op(*args, *self.params)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def matmul_inputs(x: np.ndarray, weight_dtype: str) -> np.ndarray:
+    """What the kernel multiplies: x as the activation dtype holds it, rounded to bfloat16 when
+    the weights are bfloat16."""
+    return to_dtype(x, weight_dtype).astype(np.float64)
+
+
+def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parameter:
+    """W [out, in] packed as a `weight_dtype` model's linear packs it (bfloat16: float32 model
+    inside `packing_bfloat16`)."""
+    with packing_bfloat16(weight_dtype == "bfloat16"):
+        dtype = packed_dtype(MS_DTYPES.get(weight_dtype, ms.float32))
+        return parameter(pack_panels(weight, dtype), dtype, name)
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("rows", [1, 8, 9, 300])
+@pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul"])
+def test_packed_linear_matches_numpy(weight_dtype, rows, variant):
+    g = np.random.default_rng(rows)
+    in_features, out_features = 37, 70
+    act_dtype = "float16" if weight_dtype == "float16" else "float32"
+    x = to_dtype(g.standard_normal((rows, in_features)), act_dtype)
+    weight = to_dtype(g.standard_normal((out_features, in_features)) * 0.2, weight_dtype)
+    bias = to_dtype(g.standard_normal(out_features), act_dtype)
+
+    expected = matmul_inputs(x, weight_dtype) @ weight.astype(np.float64).T
+    args = [ms.Tensor(x, MS_DTYPES[act_dtype])]
+    params = [packed_weight(weight, weight_dtype, "weight")]
+    if variant == "bias":
+        expected = expected + bias
+        params.append(parameter(bias, MS_DTYPES[act_dtype], "bias"))
+    if variant == "silu_and_mul":
+        gate, up = np.split(expected, 2, axis=1)
+        expected = silu(gate) * up
+    op = packed_matmul(out_features, bias=variant == "bias", silu_and_mul=variant == "silu_and_mul")
+    out = Run(op, *params)(*args)
+    assert out.dtype == MS_DTYPES[act_dtype] and out.shape == expected.shape
+    np.testing.assert_allclose(out.float().asnumpy(), expected, rtol=TOLERANCE[weight_dtype],
+                               atol=TOLERANCE[weight_dtype])
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", WEIGHT_DTYPES[-1]])
+def test_moe_experts_match_numpy(weight_dtype):
+    """Each token's top-k experts: silu(x . gate) * (x . up) . down, weighted and summed; ids
+    outside this rank's experts (-1, 4) contribute nothing."""
+    g = np.random.default_rng(0)
+    tokens, hidden, inter, experts, top_k = 30, 48, 40, 4, 2
+    x = g.standard_normal((tokens, hidden)).astype(np.float32)
+    gate_up = [to_dtype(g.standard_normal((2 * inter, hidden)) * 0.2, weight_dtype)
+               for _ in range(experts)]
+    down = [to_dtype(g.standard_normal((hidden, inter)) * 0.2, weight_dtype)
+            for _ in range(experts)]
+    ids = g.integers(0, experts, (tokens, top_k)).astype(np.int32)
+    ids[0, 1], ids[1, 0] = -1, experts
+    weights = g.random((tokens, top_k)).astype(np.float32)
+
+    expected = np.zeros((tokens, hidden))
+    for t in range(tokens):
+        for k in range(top_k):
+            e = ids[t, k]
+            if 0 <= e < experts:
+                gate, up = np.split(matmul_inputs(x[t], weight_dtype) @ gate_up[e].T, 2)
+                act = np.asarray(silu(gate) * up, np.float32)
+                expected[t] += weights[t, k] * (matmul_inputs(act, weight_dtype) @ down[e].T)
+
+    dispatch = MoEDispatch(experts)
+    with packing_bfloat16(weight_dtype == "bfloat16"):
+        dispatch.set_weights(gate_up, down, ms.float32, "experts")
+    assert dispatch.w13.dtype == (ms.bfloat16 if weight_dtype == "bfloat16" else ms.float32)
+    out = dispatch(ms.Tensor(x), ms.Tensor(weights), ms.Tensor(ids)).asnumpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
