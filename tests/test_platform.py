@@ -5,6 +5,7 @@ import torch
 
 from model_backends import MINDFORMERS, NATIVE, select_backend
 from vllm_mindspore.patches import PATCHES, SAMPLER_PATCHES, apply_patches
+from vllm_mindspore import platform
 from vllm_mindspore.platform import ASCEND, CPU, check_world_fits_devices
 
 
@@ -18,6 +19,16 @@ def test_patch_registry_is_declared_and_idempotent():
     apply_patches()
     torch.accelerator.empty_cache()  # raised on a CPU-only torch before the patch
     torch.accelerator.empty_host_cache()
+
+
+def test_bfloat16_on_cpu_needs_avx512_bf16(monkeypatch):
+    """--dtype bfloat16 on CPU runs only where the bfloat16 matmul has its instruction."""
+    platform.check_dtype_for_device(CPU, "float32")
+    monkeypatch.setattr(platform, "cpu_has_bfloat16_dot", lambda: False)
+    with pytest.raises(ValueError, match="needs AVX512-BF16.*--dtype float32"):
+        platform.check_dtype_for_device(CPU, "bfloat16")
+    monkeypatch.setattr(platform, "cpu_has_bfloat16_dot", lambda: True)
+    platform.check_dtype_for_device(CPU, "bfloat16")
 
 
 def test_world_must_fit_the_visible_npus():

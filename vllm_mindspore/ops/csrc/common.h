@@ -17,8 +17,9 @@ namespace vllm_ms {
 inline int num_threads = 1;
 
 // Elementwise kernels (norms, rotary, silu * up) split their rows over the threads from this many
-// values on: a 64-token decode step's rows (32K values) are worth a fork, one token's are not.
-constexpr int64_t kParallelElements = 16384;
+// values on (a 256-token step of a 512-wide model): waking the other thread costs more than a
+// 64-token decode step's norm takes (`perf` of that step with 16K here: 30% in futex wake-ups).
+constexpr int64_t kParallelElements = 131072;
 
 using half = uint16_t;
 // bfloat16: the upper half of a float32's bits (a struct, so overloads tell it from half).

@@ -116,12 +116,10 @@ void block_n(int rows, const typename PanelFormat<W>::Step *a, int64_t lda, cons
 // bfloat16 in pairs of k, zero-padded to `steps` pairs.
 template <typename W>
 const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t K, int64_t steps,
-                                              std::vector<uint32_t> &buffer, bool parallel) {
+                                              std::vector<uint32_t> &buffer) {
   if constexpr (std::is_same_v<W, bf16>) {
     buffer.resize(M * steps);
     bf16 *rows = reinterpret_cast<bf16 *>(buffer.data());
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (parallel && M * K >= kParallelElements)
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t k = 0; k < K; ++k) from_float(x[m * K + k], rows + m * 2 * steps + k);
       if (K % 2) rows[m * 2 * steps + K] = bf16{0};
@@ -146,7 +144,7 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
   thread_local std::vector<uint32_t> step_buffer;
-  const auto *a = as_steps<W>(x, M, K, steps, step_buffer, parallel);
+  const auto *a = as_steps<W>(x, M, K, steps, step_buffer);
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
   // Equal chunks (a multiple of kRows each) rather than full ones and a short remainder.
