@@ -109,3 +109,11 @@ def test_moe_experts_match_numpy(weight_dtype):
     assert dispatch.w13.dtype == (ms.bfloat16 if weight_dtype == "bfloat16" else ms.float32)
     out = dispatch(ms.Tensor(x), ms.Tensor(weights), ms.Tensor(ids)).asnumpy()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden, inter", [(47, 40), (48, 39)])
+def test_bfloat16_experts_refuse_odd_sizes(hidden, inter):
+    gate_up = [np.zeros((2 * inter, hidden), np.float32)]
+    down = [np.zeros((hidden, inter), np.float32)]
+    with packing_bfloat16(True), pytest.raises(ValueError, match="need an even hidden size"):
+        MoEDispatch(1).set_weights(gate_up, down, ms.float32, "experts")

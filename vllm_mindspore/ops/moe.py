@@ -104,6 +104,12 @@ class MoEDispatch(nn.Cell):
         down [D, I] -> w13 and w2 in this device's layout (see `stack_experts`)."""
         if not self.grouped:
             dtype = packed_dtype(dtype)
+            hidden, inter = down[0].shape
+            if dtype == ms.bfloat16 and (hidden % 2 or inter % 2):
+                raise ValueError(
+                    f"{prefix}: bfloat16 MoE experts on CPU need an even hidden size and "
+                    f"expert intermediate size (this model has {hidden} and {inter}); use "
+                    "--dtype float32.")
 
         def layout(weight):
             return weight.T if self.grouped else pack_panels(weight, dtype)

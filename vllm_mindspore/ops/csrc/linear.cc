@@ -16,21 +16,24 @@ using namespace vllm_ms;
 
 // packed [P, K, 32] (W float32/float16) or [P, ceil(K / 2), 32, 2] (bfloat16 pairs)
 template <typename W>
-bool packed_shape_fits(const int64_t *packed, int64_t K, int64_t N) {
-  if (packed[0] * kPanel < N) return false;
-  if constexpr (std::is_same_v<W, bf16>) return packed[1] == (K + 1) / 2 && packed[3] == 2;
-  return packed[1] == K;
+bool packed_shape_fits(int ndims, const int64_t *packed, int64_t K, int64_t N) {
+  if constexpr (std::is_same_v<W, bf16>) {
+    if (ndims != 4 || packed[1] != (K + 1) / 2 || packed[3] != 2) return false;
+  } else if (ndims != 3 || packed[1] != K) {
+    return false;
+  }
+  return packed[0] * kPanel >= N;
 }
 
 template <typename T, typename W>
-int run(void **params, int64_t **shapes, bool has_bias, bool gated) {
+int run(void **params, int *ndims, int64_t **shapes, bool has_bias, bool gated) {
   const T *x = static_cast<const T *>(params[0]);
   const W *packed = static_cast<const W *>(params[1]);
   const T *bias = has_bias ? static_cast<const T *>(params[2]) : nullptr;
   T *out = static_cast<T *>(params[has_bias ? 3 : 2]);
   const int64_t M = shapes[0][0], K = shapes[0][1];
   const int64_t N = shapes[has_bias ? 3 : 2][1] * (gated ? 2 : 1);
-  if (!packed_shape_fits<W>(shapes[1], K, N)) return 1;
+  if (!packed_shape_fits<W>(ndims[1], shapes[1], K, N)) return 1;
   thread_local std::vector<float> x_buffer, y_buffer;
   const float *xf = as_float(x, M * K, x_buffer);
   float *y;
@@ -49,14 +52,15 @@ int run(void **params, int64_t **shapes, bool has_bias, bool gated) {
   return 0;
 }
 
-int dispatch(const char **dtypes, void **params, int64_t **shapes, bool has_bias, bool gated) {
+int dispatch(const char **dtypes, void **params, int *ndims, int64_t **shapes, bool has_bias,
+             bool gated) {
   if (std::strcmp(dtypes[1], "bfloat16") == 0) {
     if (!kHasBf16Dot || std::strcmp(dtypes[0], "float32") != 0) return 1;
-    return run<float, bf16>(params, shapes, has_bias, gated);
+    return run<float, bf16>(params, ndims, shapes, has_bias, gated);
   }
   if (std::strcmp(dtypes[0], "float16") == 0)
-    return run<half, half>(params, shapes, has_bias, gated);
-  return run<float, float>(params, shapes, has_bias, gated);
+    return run<half, half>(params, ndims, shapes, has_bias, gated);
+  return run<float, float>(params, ndims, shapes, has_bias, gated);
 }
 
 }  // namespace
@@ -64,21 +68,21 @@ int dispatch(const char **dtypes, void **params, int64_t **shapes, bool has_bias
 extern "C" {
 
 // x [M, K], packed [P, K, 32] or [P, ceil(K / 2), 32, 2] -> y [M, N]
-int Linear(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
-           void *) {
-  return nparam == 3 ? dispatch(dtypes, params, shapes, false, false) : 1;
+int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+           void *, void *) {
+  return nparam == 3 ? dispatch(dtypes, params, ndims, shapes, false, false) : 1;
 }
 
-// x [M, K], packed [P, K, 32], bias [N] -> y [M, N]
-int LinearBias(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
-               void *) {
-  return nparam == 4 ? dispatch(dtypes, params, shapes, true, false) : 1;
+// x [M, K], packed (as above), bias [N] -> y [M, N]
+int LinearBias(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+               void *, void *) {
+  return nparam == 4 ? dispatch(dtypes, params, ndims, shapes, true, false) : 1;
 }
 
-// x [M, K], packed gate|up [P, K, 32] -> silu(x . gate) * (x . up) [M, I]
-int LinearSiluMul(int nparam, void **params, int *, int64_t **shapes, const char **dtypes, void *,
-                  void *) {
-  return nparam == 3 ? dispatch(dtypes, params, shapes, false, true) : 1;
+// x [M, K], packed gate|up (as above) -> silu(x . gate) * (x . up) [M, I]
+int LinearSiluMul(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                  void *, void *) {
+  return nparam == 3 ? dispatch(dtypes, params, ndims, shapes, false, true) : 1;
 }
 
 }  // extern "C"
