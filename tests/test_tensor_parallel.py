@@ -88,9 +88,9 @@ MINDFORMERS_MODELS = {  # architecture -> the tiny YAML of its shape and mindfor
 
 @needs_mindformers()
 @pytest.mark.parametrize("arch", [
-    pytest.param(arch, marks=slow("about 2 min; every run serves Qwen3 (the same mindformers "
-                                  "layers, without biases) at TP=2")) if arch != "Qwen3ForCausalLM"
-    else arch for arch in MINDFORMERS_MODELS])
+    pytest.param(arch, marks=slow("about 2 min; every run serves mindformers' Qwen2 class at TP=2 "
+                                  "over Ray against TP=1 (test_deploy_ray.py)"))
+    for arch in MINDFORMERS_MODELS])
 def test_mindformers_classes_at_tp2_match_tp1_and_hf(tiny_model_factory, monkeypatch, capfd,
                                                       arch):
     """mindformers' own model class on both ranks: its ColumnParallel / RowParallel linears and
