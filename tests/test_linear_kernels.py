@@ -7,7 +7,7 @@ decode-sized blocks (1, 8, 9 rows) and several row chunks (300 rows)."""
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn
+from conftest import OpCell
 
 from vllm_mindspore.ops.host import parameter
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul, packing_bfloat16
@@ -22,16 +22,6 @@ MS_DTYPES = {"float32": ms.float32, "float16": ms.float16}
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-5}
 WEIGHT_DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not cpu_has_bfloat16_dot(), reason="this CPU has no AVX512-BF16"))]
-
-
-class Run(nn.Cell):
-    def __init__(self, op, *params):
-        super().__init__()
-        self.op = op
-        self.params = params
-
-    def construct(self, *args):
-        return self.op(*args, *self.params)
 
 
 def silu(x):
@@ -73,7 +63,7 @@ def test_packed_linear_matches_numpy(weight_dtype, rows, variant):
         gate, up = np.split(expected, 2, axis=1)
         expected = silu(gate) * up
     op = packed_matmul(out_features, bias=variant == "bias", silu_and_mul=variant == "silu_and_mul")
-    out = Run(op, *params)(*args)
+    out = OpCell(op, *params)(*args)
     assert out.dtype == MS_DTYPES[act_dtype] and out.shape == expected.shape
     np.testing.assert_allclose(out.float().asnumpy(), expected, rtol=TOLERANCE[weight_dtype],
                                atol=TOLERANCE[weight_dtype])

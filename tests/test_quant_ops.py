@@ -6,7 +6,7 @@ and the MoE experts within float tolerance of the reference."""
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn
+from conftest import OpCell
 
 from vllm_mindspore.ops import quant_reference as ref
 from vllm_mindspore.ops.quant import (QuantArrays, QuantExperts, QuantLinearMethod, correction,
@@ -14,16 +14,6 @@ from vllm_mindspore.ops.quant import (QuantArrays, QuantExperts, QuantLinearMeth
                                       quantize_static_op)
 
 ms.set_context(mode=ms.GRAPH_MODE)
-
-
-class Run(nn.Cell):
-    def __init__(self, op, *params):
-        super().__init__()
-        self.op = op
-        self.params = params
-
-    def construct(self, *args):
-        return self.op(*args, *self.params)
 
 
 def tensor(array, dtype=None):
@@ -47,7 +37,7 @@ def test_int32_accumulator_is_exact(m, k, n):
     quant_bias = g.integers(-2**24, 2**24, n).astype(np.int32)
     arrays = QuantArrays("W8A8", w, quant_bias=quant_bias)
     op = int32_matmul_op(n)
-    out = Run(op)(tensor(q), tensor(pack_int8(w)), tensor(correction(arrays))).asnumpy()
+    out = OpCell(op)(tensor(q), tensor(pack_int8(w)), tensor(correction(arrays))).asnumpy()
     np.testing.assert_array_equal(out, ref.int_matmul(q, w, quant_bias))
     assert out[0, 0] == 128 * 128 * k + quant_bias[0]
 
@@ -62,9 +52,9 @@ def test_static_activation_quantization_is_exact(dtype):
     act_real = ref.activation_params(np.float32(0.0371), np.float32(-7.0), k,
                                      "float16" if dtype == np.float16 else "float32")
     for a in (act, act_real):
-        q = Run(quantize_static_op())(tensor(x), tensor(a)).asnumpy()
+        q = OpCell(quantize_static_op())(tensor(x), tensor(a)).asnumpy()
         np.testing.assert_array_equal(q, ref.quantize_static(x.astype(np.float32), a))
-    q = Run(quantize_static_op())(tensor(x), tensor(act)).asnumpy()
+    q = OpCell(quantize_static_op())(tensor(x), tensor(act)).asnumpy()
     assert list(q[0, :8]) == [0, 2, 2, 0, -2, 126, 127, -128]  # half to even, saturated
 
 
@@ -73,7 +63,7 @@ def test_dynamic_activation_quantization_is_exact(dtype):
     g = rng(2)
     x = (g.standard_normal((6, 53)) * 5).astype(dtype)
     x[2] = 0  # an all-zero row: scale 1
-    q, scale = Run(quantize_dynamic_op())(tensor(x))
+    q, scale = OpCell(quantize_dynamic_op())(tensor(x))
     ref_q, ref_scale = ref.quantize_dynamic(x.astype(np.float32))
     np.testing.assert_array_equal(q.asnumpy(), ref_q)
     np.testing.assert_array_equal(scale.asnumpy(), ref_scale)
@@ -155,7 +145,7 @@ def test_moe_experts_match_the_reference():
     x = g.standard_normal((tokens, d)).astype(np.float32)
     ids = g.integers(-1, experts, (tokens, top_k)).astype(np.int32)
     weights = g.random((tokens, top_k)).astype(np.float32)
-    out = Run(layer.kernel, layer.w13, layer.c13, layer.s13, layer.w2, layer.c2, layer.s2)(
+    out = OpCell(layer.kernel, layer.w13, layer.c13, layer.s13, layer.w2, layer.c2, layer.s2)(
         tensor(x), tensor(ids), tensor(weights)).asnumpy()
     expected = np.zeros((tokens, d), np.float64)
     for t in range(tokens):
