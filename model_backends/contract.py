@@ -60,8 +60,9 @@ class ModelBackend(Protocol):
     def kv_cache_spec(self, block_size: int, torch_dtype: "torch.dtype") -> dict:
         """vLLM layer name -> its `KVCacheSpec` (what vLLM's block manager sizes blocks by)."""
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache for `num_blocks` blocks (what vLLM granted)."""
+    def allocate_kv_cache(self, num_blocks: int, dtype: "ms.dtype") -> None:
+        """Allocate every layer's cache for `num_blocks` blocks (what vLLM granted) in `dtype`
+        (the model's dtype: float32 graphs of a bfloat16 model on CPU keep a bfloat16 cache)."""
 
     def compile_step(self, step: StepTensors) -> None:
         """Compile the decoder for `step`'s shapes (and `prefill_only` value) without running it."""

@@ -194,24 +194,33 @@ def real_tiny_checkpoint(tiny_model_factory, arch: str, overrides: dict,
 
 
 class HFReference:
-    """Greedy generation with HF transformers on the same folder, in float32; with
-    `linear_inputs="bfloat16"` every linear layer's input is rounded to bfloat16 first (what
-    vllm-mindspore's --dtype bfloat16 does on CPU)."""
+    """Greedy generation with HF transformers on the same folder, in float32. With
+    `rounding="bfloat16"` it rounds what vllm-mindspore's --dtype bfloat16 rounds on CPU, float32
+    everywhere else: every linear layer's input, and the keys and values attention reads (the
+    bfloat16 KV cache)."""
 
-    def __init__(self, model_dir: str, linear_inputs: str = "float32"):
+    def __init__(self, model_dir: str, rounding: str = "float32"):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.linear_inputs = linear_inputs
+        self.rounding = rounding
+        if rounding == "bfloat16":
+            def bfloat16_cache_attention(module, query, key, value, *args, **kwargs):
+                return sdpa_attention_forward(module, query, key.bfloat16().float(),
+                                              value.bfloat16().float(), *args, **kwargs)
+
+            AttentionInterface.register("bfloat16_cache", bfloat16_cache_attention)
+            self.model.set_attn_implementation("bfloat16_cache")
 
     @contextlib.contextmanager
     def _rounding_linear_inputs(self):
         functional = self.torch.nn.functional
         linear = functional.linear
-        if self.linear_inputs == "bfloat16":
+        if self.rounding == "bfloat16":
             bfloat16 = self.torch.bfloat16
             functional.linear = lambda x, *args: linear(x.to(bfloat16).float(), *args)
         try:

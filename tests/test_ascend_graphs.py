@@ -127,7 +127,7 @@ def build_ascend_model(name: str, dtype, tp_size: int = 1, ep_size: int = 1):
         if mlp is not None:
             quantize_linears(model, mlp)
         process_weights_after_loading(model)
-        model.allocate_kv_cache(2 * MAX_BLOCKS + 1)
+        model.allocate_kv_cache(2 * MAX_BLOCKS + 1, dtype)
         head = model.logits_head()
     jit = ms.JitConfig(jit_level="O0", infer_boost="on")  # as the Ascend worker runs them
     model.set_jit_config(jit)

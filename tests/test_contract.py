@@ -79,7 +79,7 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
     assert list(specs) == [f"model.layers.{i}.self_attn.attn"
                            for i in range(hf_config.num_hidden_layers)]
     weights = backend.weight_bytes()
-    backend.allocate_kv_cache(num_blocks=4)
+    backend.allocate_kv_cache(num_blocks=4, dtype=ms.float32)
     assert backend.weight_bytes() == weights > 0  # the caches are not weights
 
     block_tables = np.array([[0, 1], [2, 3]], np.int32)

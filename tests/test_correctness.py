@@ -112,18 +112,25 @@ QWEN3_MOE = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                  norm_topk_prob=True)
 
 
-@pytest.mark.parametrize("dtype, arch, overrides, reference_linear_inputs, tolerance", [
+NEEDS_BFLOAT16_DOT = pytest.mark.skipif(not cpu_has_bfloat16_dot(),
+                                       reason="this CPU has no AVX512-BF16")
+
+
+@pytest.mark.parametrize("dtype, arch, overrides, reference_rounding, tolerance", [
     # Against HF float32: float16 rounds every activation and weight.
     ("float16", "LlamaForCausalLM", {}, "float32", (2e-2, 3e-2)),
-    # A bfloat16 checkpoint, against HF float32 on the same weights with each linear's input
-    # rounded to bfloat16 as the plugin's CPU kernels round it (float32 everywhere else).
+    # bfloat16 checkpoints, against HF float32 on the same weights with each linear's input and
+    # the cached keys/values rounded to bfloat16 as the plugin rounds them on CPU: a dense model
+    # matches that to float32 noise (measured <= 0.003)...
+    pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), "bfloat16",
+                 (1e-2, 5e-3), marks=NEEDS_BFLOAT16_DOT),
+    # ...while the MoE router's top-k turns float32-noise differences in the rounded keys into
+    # other experts now and then (measured <= 0.031 on the 268-token prompt).
     pytest.param("bfloat16", "Qwen3MoeForCausalLM", dict(QWEN3_MOE, save_dtype="bfloat16"),
-                 "bfloat16", (1e-2, 1e-2),
-                 marks=pytest.mark.skipif(not cpu_has_bfloat16_dot(),
-                                          reason="this CPU has no AVX512-BF16")),
+                 "bfloat16", (1e-2, 5e-2), marks=NEEDS_BFLOAT16_DOT),
 ])
 def test_reduced_precision_is_close_to_hf(make_llm, tiny_model_factory, dtype, arch, overrides,
-                                          reference_linear_inputs, tolerance):
+                                          reference_rounding, tolerance):
     """--dtype float16 / bfloat16 on CPU: first tokens agree with the reference (outside near
     ties) and their logprobs are within the dtype's tolerance."""
     from vllm import SamplingParams
@@ -134,7 +141,7 @@ def test_reduced_precision_is_close_to_hf(make_llm, tiny_model_factory, dtype, a
     outputs = llm.generate(PROMPTS + [LONG_PROMPT],
                            SamplingParams(temperature=0, max_tokens=1, logprobs=1))
     assert len(outputs[-1].prompt_token_ids) >= LONG_PROMPT_MIN_TOKENS
-    reference = HFReference(model_dir, reference_linear_inputs)
+    reference = HFReference(model_dir, reference_rounding)
     for output in outputs:
         token = output.outputs[0].token_ids[0]
         _, ref_steps = reference.greedy(list(output.prompt_token_ids), 1)

@@ -152,7 +152,7 @@ def served(request, tiny_model_factory):
     model_dir = real_tiny_checkpoint(tiny_model_factory, arch, overrides, non_negative_bias=True)
     ms.set_context(mode=ms.GRAPH_MODE)  # the device: CPU, MindSpore's default here
     backend = build(model_class, model_dir)
-    backend.allocate_kv_cache(num_blocks=8)
+    backend.allocate_kv_cache(num_blocks=8, dtype=ms.float32)
     for size in GRAPH_TOKENS:
         backend.compile_step(make_step([], size))
     backend.compile_logits(8)

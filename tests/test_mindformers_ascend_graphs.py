@@ -74,7 +74,7 @@ def build_for_ascend(model_dir: str, arch: str, dtype, static_shapes: bool, plan
         backend.load_weights(model_dir, None)
         if plant is not None:
             plant(backend)
-        backend.allocate_kv_cache(2 * MAX_BLOCKS + 1)
+        backend.allocate_kv_cache(2 * MAX_BLOCKS + 1, dtype)
     return backend
 
 

@@ -110,7 +110,7 @@ def test_deepseek_kv_cache_is_the_latent(models):
     with set_current_vllm_config(VllmConfig()):  # vLLM's rope tables read it
         model = DeepseekV3ForCausalLM(config, BLOCK_SIZE, ms.float32)
     num_blocks = 5
-    model.allocate_kv_cache(num_blocks)
+    model.allocate_kv_cache(num_blocks, ms.float32)
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     layers = model.attention_layers()
     assert len(layers) == config.num_hidden_layers

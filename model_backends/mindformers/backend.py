@@ -288,24 +288,24 @@ class MindFormersBackend:
         shape = (num_blocks, self.block_size, cell.kv_head_num, cell.hidden_size_per_attention_head)
         return shape, shape
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
         if self.ascend:
             shapes = [self._ascend_cache_shapes(cell, num_blocks)
                       for cell in self._attention_cells().values()]
-            self.key_caches = [mint.zeros(key, dtype=self.dtype) for key, _ in shapes]
-            self.value_caches = None if self.mla else [mint.zeros(value, dtype=self.dtype)
+            self.key_caches = [mint.zeros(key, dtype=dtype) for key, _ in shapes]
+            self.value_caches = None if self.mla else [mint.zeros(value, dtype=dtype)
                                                        for _, value in shapes]
             return
         for name, cell in self._attention_cells().items():
             if self.mla:
                 cell.kv_cache_cpu = Parameter(
-                    mint.zeros(cell.cpu_attention.cache_shape(num_blocks), dtype=self.dtype),
+                    mint.zeros(cell.cpu_attention.cache_shape(num_blocks), dtype=dtype),
                     name=f"{name}.kv_cache", requires_grad=False)
                 continue
             key_shape, value_shape = cell.cpu_attention.cache_shapes(num_blocks)
-            cell.key_cache_cpu = Parameter(mint.zeros(key_shape, dtype=self.dtype),
+            cell.key_cache_cpu = Parameter(mint.zeros(key_shape, dtype=dtype),
                                            name=f"{name}.key_cache", requires_grad=False)
-            cell.value_cache_cpu = Parameter(mint.zeros(value_shape, dtype=self.dtype),
+            cell.value_cache_cpu = Parameter(mint.zeros(value_shape, dtype=dtype),
                                              name=f"{name}.value_cache", requires_grad=False)
 
     # ---- step ------------------------------------------------------------------------------

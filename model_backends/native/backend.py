@@ -92,8 +92,8 @@ class NativeBackend:
     def kv_cache_spec(self, block_size: int, torch_dtype) -> dict:
         return self.cell.kv_cache_spec(block_size, torch_dtype)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.cell.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
+        self.cell.allocate_kv_cache(num_blocks, dtype)
 
     def compile_step(self, step: StepTensors) -> None:
         (self.graphs or self.cell).compile(*step)

@@ -223,9 +223,9 @@ class LlamaForCausalLM(nn.Cell):
                                  head_size=attn.head_dim, dtype=torch_dtype)
         return {name: spec for name in self.attention_layers()}
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
         for name, layer in self.attention_layers().items():
-            layer.allocate_kv_cache(num_blocks, self.dtype, name)
+            layer.allocate_kv_cache(num_blocks, dtype, name)
 
     # ---- weights ---------------------------------------------------------------------------
     def checkpoint_name_to_param(self, name: str) -> str | None:

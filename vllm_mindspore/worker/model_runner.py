@@ -147,10 +147,12 @@ class MindSporeModelRunner:
         self.scheduler_config = vllm_config.scheduler_config
         self.max_model_len = self.model_config.max_model_len
         self.block_size = self.cache_config.block_size
-        # The graph's dtype; bfloat16 on CPU computes in float32 around bfloat16 matmuls.
+        # The graph's dtype; bfloat16 on CPU computes in float32 around bfloat16 matmuls and a
+        # bfloat16 KV cache (the model's dtype, as vLLM keeps it).
         self.bfloat16_weights = bfloat16_weights_on_cpu(self.model_config.dtype)
         self.torch_dtype = torch.float32 if self.bfloat16_weights else self.model_config.dtype
         self.dtype = MS_DTYPES[self.torch_dtype]
+        self.kv_cache_dtype = self.model_config.dtype
         self.device = torch.device("cpu")
         # Not `self.model`: vLLM's LLMEngine reads `model_runner.model` as a torch module at exit.
         self.backend: ModelBackend | None = None
@@ -187,10 +189,10 @@ class MindSporeModelRunner:
                                    static_shapes=self.sizes.static)
 
     def get_kv_cache_spec(self):
-        return self.backend.kv_cache_spec(self.block_size, self.torch_dtype)
+        return self.backend.kv_cache_spec(self.block_size, self.kv_cache_dtype)
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
-        self.backend.allocate_kv_cache(kv_cache_config.num_blocks)
+        self.backend.allocate_kv_cache(kv_cache_config.num_blocks, MS_DTYPES[self.kv_cache_dtype])
         logger.info("KV cache: %d blocks of %d tokens", kv_cache_config.num_blocks, self.block_size)
 
     def warm_up(self) -> float:

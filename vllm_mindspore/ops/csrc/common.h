@@ -1,5 +1,5 @@
-// Shared by the plugin's CPU kernels: thread count, float16 conversions, 16-lane float vectors
-// (GCC vector extensions: one zmm register with AVX-512, a ymm pair with AVX2) and exp.
+// Shared by the plugin's CPU kernels: thread count, float16 / bfloat16 conversions, 16-lane float
+// vectors (GCC vector extensions: one zmm register with AVX-512, a ymm pair with AVX2) and exp.
 #pragma once
 
 #include <immintrin.h>
@@ -63,6 +63,17 @@ inline lanes load_lanes(const half *p) {
 #endif
   return v;
 }
+// bfloat16: the float32's upper 16 bits, widened / rounded to nearest even (as from_float).
+typedef uint16_t bits16_lanes __attribute__((vector_size(32)));
+typedef uint32_t bits32_lanes __attribute__((vector_size(64)));
+inline lanes load_lanes(const bf16 *p) {
+  bits16_lanes h;
+  std::memcpy(&h, p, sizeof(h));
+  const bits32_lanes bits = __builtin_convertvector(h, bits32_lanes) << 16;
+  lanes v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
 inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_lanes(half *p, lanes v) {
 #if defined(__AVX512F__)
@@ -74,9 +85,16 @@ inline void store_lanes(half *p, lanes v) {
   for (int i = 0; i < kLanes; ++i) from_float(v[i], p + i);
 #endif
 }
+inline void store_lanes(bf16 *p, lanes v) {
+  bits32_lanes bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7fff + ((bits >> 16) & 1);
+  const bits16_lanes h = __builtin_convertvector(bits >> 16, bits16_lanes);
+  std::memcpy(p, &h, sizeof(h));
+}
 
-// dst[0:n] = src[0:n], float16 <-> float32 16 lanes at a time (one value at a time made a float16
-// batch step slower than a float32 one).
+// dst[0:n] = src[0:n], float16 / bfloat16 <-> float32 16 lanes at a time (one value at a time made
+// a float16 batch step slower than a float32 one).
 template <typename S, typename D>
 inline void convert(const S *src, D *dst, int64_t n) {
   int64_t i = 0;

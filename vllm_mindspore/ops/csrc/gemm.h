@@ -121,7 +121,7 @@ const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t
     buffer.resize(M * steps);
     bf16 *rows = reinterpret_cast<bf16 *>(buffer.data());
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) from_float(x[m * K + k], rows + m * 2 * steps + k);
+      convert(x + m * K, rows + m * 2 * steps, K);
       if (K % 2) rows[m * 2 * steps + K] = bf16{0};
     }
     return buffer.data();

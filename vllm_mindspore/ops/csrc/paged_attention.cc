@@ -44,22 +44,21 @@ struct Item {
   int64_t row, kv_head, h0, h1, q0, q1, first_token, context_start;
 };
 
-template <typename T>
-void write_cache(const Shape &s, const T *key, const T *value, T *key_cache, T *value_cache,
-                 const int32_t *slot_mapping) {
+// Token t's keys and values into its cache slot.
+template <typename T, typename C>
+void write_token(const Shape &s, int64_t t, const T *key, const T *value, C *key_cache,
+                 C *value_cache, const int32_t *slot_mapping) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
-  for (int64_t t = 0; t < s.num_tokens; ++t) {
-    const int64_t slot = slot_mapping[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / bs, offset = slot % bs;
-    for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
-      const T *k = key + t * s.key_stride + kvh * D;
-      T *kt = key_cache + (block * s.num_kv_heads + kvh) * D * bs + offset;
-      for (int64_t d = 0; d < D; ++d) kt[d * bs] = k[d];
-      if (!s.latent) {
-        std::memcpy(value_cache + ((block * s.num_kv_heads + kvh) * bs + offset) * Dv,
-                    value + t * s.value_stride + kvh * Dv, Dv * sizeof(T));
-      }
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0) return;
+  const int64_t block = slot / bs, offset = slot % bs;
+  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
+    const T *k = key + t * s.key_stride + kvh * D;
+    C *kt = key_cache + (block * s.num_kv_heads + kvh) * D * bs + offset;
+    for (int64_t d = 0; d < D; ++d) from_float(to_float(k[d]), kt + d * bs);
+    if (!s.latent) {
+      convert(value + t * s.value_stride + kvh * Dv,
+              value_cache + ((block * s.num_kv_heads + kvh) * bs + offset) * Dv, Dv);
     }
   }
 }
@@ -71,9 +70,10 @@ void write_cache(const Shape &s, const T *key, const T *value, T *key_cache, T *
 constexpr int kMaxRows = 8;
 
 // s[r][k] = q[r] . key k of the block (row stride lds), for the block's bs keys (stored
-// transposed: kt[d][k]). Even and odd d accumulate separately.
-template <int R>
-void block_scores(const float *__restrict q, const float *__restrict kt, int64_t D, int64_t bs,
+// transposed: kt[d][k], in the cache's dtype: widened to float32 as they are loaded). Even and
+// odd d accumulate separately.
+template <int R, typename C>
+void block_scores(const float *__restrict q, const C *__restrict kt, int64_t D, int64_t bs,
                   float *__restrict s, int64_t lds) {
   int64_t c = 0;
   for (; c + kLanes <= bs; c += kLanes) {
@@ -95,16 +95,16 @@ void block_scores(const float *__restrict q, const float *__restrict kt, int64_t
   for (; c < bs; ++c) {  // block sizes that are not a multiple of 16
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * kt[d * bs + c];
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * to_float(kt[d * bs + c]);
       s[r * lds + c] = acc;
     }
   }
 }
 
-// out[r] += sum over the first `keys` keys k of p[r][k] * v[k] (p row stride ldp, v: [keys][Dv]),
-// C vectors of channels at a time.
-template <int R, int C>
-int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const float *__restrict v,
+// out[r] += sum over the first `keys` keys k of p[r][k] * v[k] (p row stride ldp, v: [keys][Dv]
+// in the cache's dtype V), C vectors of channels at a time.
+template <int R, int C, typename V>
+int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const V *__restrict v,
                             int64_t keys, int64_t Dv, float *__restrict out, int64_t c) {
   for (; c + C * kLanes <= Dv; c += C * kLanes) {
     lanes acc[R][C];
@@ -124,41 +124,56 @@ int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const float 
   return c;
 }
 
-template <int R>
-void block_values(const float *p, int64_t ldp, const float *v, int64_t keys, int64_t Dv,
+template <int R, typename V>
+void block_values(const float *p, int64_t ldp, const V *v, int64_t keys, int64_t Dv,
                   float *out) {
   constexpr int C = R <= 4 ? 4 : 2;  // R * C accumulators: 16 at most
   int64_t c = block_values_chunks<R, C>(p, ldp, v, keys, Dv, out, 0);
   c = block_values_chunks<R, 1>(p, ldp, v, keys, Dv, out, c);
   for (; c < Dv; ++c)
     for (int r = 0; r < R; ++r)
-      for (int64_t k = 0; k < keys; ++k) out[r * Dv + c] += p[r * ldp + k] * v[k * Dv + c];
+      for (int64_t k = 0; k < keys; ++k) out[r * Dv + c] += p[r * ldp + k] * to_float(v[k * Dv + c]);
 }
 
-template <int R = kMaxRows>
-void block_scores_n(int rows, const float *q, const float *kt, int64_t D, int64_t bs, float *s,
+template <typename C, int R = kMaxRows>
+void block_scores_n(int rows, const float *q, const C *kt, int64_t D, int64_t bs, float *s,
                     int64_t lds) {
   if constexpr (R > 1) {
-    if (rows < R) return block_scores_n<R - 1>(rows, q, kt, D, bs, s, lds);
+    if (rows < R) return block_scores_n<C, R - 1>(rows, q, kt, D, bs, s, lds);
   }
   block_scores<R>(q, kt, D, bs, s, lds);
 }
 
-template <int R = kMaxRows>
-void block_values_n(int rows, const float *p, int64_t ldp, const float *v, int64_t keys,
+template <typename V, int R = kMaxRows>
+void block_values_n(int rows, const float *p, int64_t ldp, const V *v, int64_t keys,
                     int64_t Dv, float *out) {
   if constexpr (R > 1) {
-    if (rows < R) return block_values_n<R - 1>(rows, p, ldp, v, keys, Dv, out);
+    if (rows < R) return block_values_n<V, R - 1>(rows, p, ldp, v, keys, Dv, out);
   }
   block_values<R>(p, ldp, v, keys, Dv, out);
 }
 
-// Blocks are scattered in memory, beyond the hardware prefetcher's reach: ask for the next
-// block's lines (into L2: asking for L1 evicted lines still in use and measured slower) while
-// the current one is computed.
+// Blocks are scattered in memory, beyond the hardware prefetcher's reach: a pass over an item's
+// blocks asks for the lines of the blocks up to kPrefetchBytes ahead (into L2: asking for L1
+// evicted lines still in use and measured slower). One block ahead was too little: a decode's
+// few kilobytes per block are computed faster than the next block's lines arrive.
+constexpr int64_t kPrefetchBytes = 128 * 1024;
+
 inline void prefetch(const void *start, int64_t bytes) {
   const char *p = static_cast<const char *>(start);
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
+// Calls visit(j) for the blocks j = 0 .. num_blocks - 1, prefetching block(j) (`bytes` each)
+// kPrefetchBytes ahead of the visits.
+template <typename Block, typename Visit>
+void visit_prefetched(int64_t num_blocks, int64_t bytes, Block block, Visit visit) {
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / bytes);
+  for (int64_t j = 0; j < std::min(ahead, num_blocks); ++j) prefetch(block(j), bytes);
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    if (j + ahead < num_blocks) prefetch(block(j + ahead), bytes);
+    visit(j);
+  }
 }
 
 inline float horizontal_max(lanes v) {
@@ -202,19 +217,17 @@ inline float softmax_numerators(float *p, int64_t n, int64_t width) {
 // blocks' slots), then an exact softmax per row, then the values. Each block is read once per
 // pass and the softmax runs over whole rows of vectors (a per-block online softmax spent more
 // time rescaling than the 16-key dot products it wrapped).
-template <typename T>
-void attend(const Shape &s, const Item &item, const T *query, const T *key_cache,
-            const T *value_cache, const int32_t *block_table, T *out) {
+template <typename T, typename C>
+void attend(const Shape &s, const Item &item, const T *query, const C *key_cache,
+            const C *value_cache, const int32_t *block_table, T *out) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
   const int64_t heads = item.h1 - item.h0, rows = heads * (item.q1 - item.q0);
   const int64_t visible_max = item.context_start + item.q1;  // keys seen by the last query
   const int64_t num_blocks = (visible_max + bs - 1) / bs, width = num_blocks * bs;
-  thread_local std::vector<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;
+  thread_local std::vector<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;  // k/v: MLA only
   q_buf.resize(rows * D);
   acc_buf.assign(rows * Dv, 0.0f);
   l_buf.resize(rows);
-  k_buf.resize(D * bs);
-  v_buf.resize(bs * Dv);
   p_buf.resize(rows * width);
   float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
   // Row r = (query i - q0) * heads + head: rows of one query are adjacent.
@@ -237,33 +250,32 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
   };
   auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
 
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    if (j + 1 < num_blocks) prefetch(key_block(j + 1), D * bs * sizeof(T));
-    const float *kf = as_float(key_block(j), D * bs, k_buf);
+  visit_prefetched(num_blocks, D * bs * sizeof(C), key_block, [&](int64_t j) {
     for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
       const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-      block_scores_n(n, q + r0 * D, kf, D, bs, p + r0 * width + j * bs, width);
+      block_scores_n(n, q + r0 * D, key_block(j), D, bs, p + r0 * width + j * bs, width);
     }
-  }
+  });
   for (int64_t r = 0; r < rows; ++r) l_buf[r] = softmax_numerators(p + r * width, visible(r), width);
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const float *vf;
-    if (s.latent) {  // values: the block's first Dv channels, transposed to [bs, Dv]
-      if (j + 1 < num_blocks) prefetch(key_block(j + 1), Dv * bs * sizeof(T));
-      const float *kf = as_float(key_block(j), D * bs, k_buf);
-      for (int64_t k = 0; k < bs; ++k)
-        for (int64_t d = 0; d < Dv; ++d) v_buf[k * Dv + d] = kf[d * bs + k];
-      vf = v_buf.data();
-    } else {
-      if (j + 1 < num_blocks) prefetch(value_block(j + 1), bs * Dv * sizeof(T));
-      vf = as_float(value_block(j), bs * Dv, v_buf);
-    }
+  auto add_values = [&](int64_t j, const auto *v) {  // v: block j's values [bs, Dv]
     for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
       const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
       // The last of these rows sees the most keys of this block.
       const int64_t keys = std::min<int64_t>(bs, visible(r0 + n - 1) - j * bs);
-      block_values_n(n, p + r0 * width + j * bs, width, vf, keys, Dv, acc + r0 * Dv);
+      block_values_n(n, p + r0 * width + j * bs, width, v, keys, Dv, acc + r0 * Dv);
     }
+  };
+  if (s.latent) {  // values: each block's first Dv channels, transposed to [bs, Dv]
+    v_buf.resize(bs * Dv);
+    visit_prefetched(num_blocks, Dv * bs * sizeof(C), key_block, [&](int64_t j) {
+      const float *kf = as_float(key_block(j), D * bs, k_buf);
+      for (int64_t k = 0; k < bs; ++k)
+        for (int64_t d = 0; d < Dv; ++d) v_buf[k * Dv + d] = kf[d * bs + k];
+      add_values(j, v_buf.data());
+    });
+  } else {
+    visit_prefetched(num_blocks, bs * Dv * sizeof(C), value_block,
+                     [&](int64_t j) { add_values(j, value_block(j)); });
   }
   for (int64_t i = item.q0; i < item.q1; ++i) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -275,11 +287,10 @@ void attend(const Shape &s, const Item &item, const T *query, const T *key_cache
   }
 }
 
-template <typename T>
-int run(const Shape &s, const T *query, const T *key, const T *value, T *key_cache,
-        T *value_cache, const int32_t *slot_mapping, const int32_t *block_tables,
+template <typename T, typename C>
+int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cache,
+        C *value_cache, const int32_t *slot_mapping, const int32_t *block_tables,
         const int32_t *seq_lens, const int32_t *q_lens, T *out) {
-  write_cache(s, key, value, key_cache, value_cache, slot_mapping);
   const int64_t group = s.num_heads / s.num_kv_heads;
   // Heads of one KV head share each converted block; MLA's many heads are split in chunks so
   // one request's decode still spreads over the threads.
@@ -306,25 +317,32 @@ int run(const Shape &s, const T *query, const T *key, const T *value, T *key_cac
   std::memset(static_cast<void *>(out + token * s.num_heads * s.v_head_dim), 0,
               (s.num_tokens - token) * s.num_heads * s.v_head_dim * sizeof(T));
   const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(vllm_ms::num_threads) if (num_items > 1)
-  for (int64_t n = 0; n < num_items; ++n) {
-    const Item &item = items[n];
-    attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks, out);
+  // The cache writes are split over the threads too: a decode step's writes are a cache miss
+  // each (the keys are transposed in a block, each slot's lines were evicted since the last
+  // step), and done by one thread they took as long as the attention itself.
+#pragma omp parallel num_threads(vllm_ms::num_threads) if (num_items > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < s.num_tokens; ++t)
+      write_token(s, t, key, value, key_cache, value_cache, slot_mapping);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < num_items; ++n) {
+      const Item &item = items[n];
+      attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks, out);
+    }
   }
   return 0;
 }
 
-bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
-
-template <typename T>
-int paged_attention(void **params, int *ndims, int64_t **shapes, const Shape &s) {
-  T *qk = static_cast<T *>(params[0]);
-  // The values are the last KVH * Dv channels of each row of v (a fused q|k|v row, or v alone).
-  T *v = static_cast<T *>(params[1]) + s.value_stride - s.num_kv_heads * s.v_head_dim;
-  auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
-  return run(s, qk, qk + s.num_heads * s.head_dim, v, static_cast<T *>(params[2]),
-             static_cast<T *>(params[3]), i32(4), i32(5), i32(6), i32(7),
-             static_cast<T *>(params[9]));
+// Calls kernel(T{}, C{}) for the activations' and the cache's dtypes: both float32, both
+// float16, or float32 activations over a bfloat16 cache (--dtype bfloat16 on CPU).
+template <typename Kernel>
+int with_dtypes(const char *activations, const char *cache, Kernel kernel) {
+  auto is = [](const char *dtype, const char *name) { return std::strcmp(dtype, name) == 0; };
+  if (is(activations, "float32") && is(cache, "float32")) return kernel(float{}, float{});
+  if (is(activations, "float16") && is(cache, "float16")) return kernel(half{}, half{});
+  if (is(activations, "float32") && is(cache, "bfloat16")) return kernel(float{}, bf16{});
+  return 1;
 }
 
 }  // namespace
@@ -348,8 +366,17 @@ int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, cons
                 (heads + kv_heads) * D,     (heads + kv_heads) * D, value_stride,
                 false,        *static_cast<float *>(params[8])};
   if (value_stride < kv_heads * s.v_head_dim) return 1;
-  return is_half(dtypes[0]) ? paged_attention<half>(params, ndims, shapes, s)
-                            : paged_attention<float>(params, ndims, shapes, s);
+  return with_dtypes(dtypes[0], dtypes[2], [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    T *qk = static_cast<T *>(params[0]);
+    // The values are the last KVH * Dv channels of each row of v (a fused q|k|v row, or v alone).
+    T *v = static_cast<T *>(params[1]) + s.value_stride - s.num_kv_heads * s.v_head_dim;
+    auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
+    return run(s, qk, qk + s.num_heads * s.head_dim, v, static_cast<C *>(params[2]),
+               static_cast<C *>(params[3]), i32(4), i32(5), i32(6), i32(7),
+               static_cast<T *>(params[9]));
+  });
 }
 
 // q [T, H, L], latent [T, L], cache [NB, L, bs], slot_mapping [T], block_tables [B, MB],
@@ -361,15 +388,14 @@ int MLAPagedAttention(int nparam, void **params, int *ndims, int64_t **shapes,
   Shape s{shapes[0][0], shapes[0][1], 1,     L,    shapes[8][2], shapes[2][2], shapes[4][0],
           shapes[4][1], shapes[0][1] * L, L, 0, true,         *static_cast<float *>(params[7])};
   auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
-  if (is_half(dtypes[0]))
-    return run(s, static_cast<half *>(params[0]), static_cast<half *>(params[1]),
-               static_cast<half *>(nullptr), static_cast<half *>(params[2]),
-               static_cast<half *>(nullptr), i32(3), i32(4), i32(5), i32(6),
-               static_cast<half *>(params[8]));
-  return run(s, static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-             static_cast<float *>(nullptr), static_cast<float *>(params[2]),
-             static_cast<float *>(nullptr), i32(3), i32(4), i32(5), i32(6),
-             static_cast<float *>(params[8]));
+  return with_dtypes(dtypes[0], dtypes[2], [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    return run(s, static_cast<T *>(params[0]), static_cast<T *>(params[1]),
+               static_cast<T *>(nullptr), static_cast<C *>(params[2]),
+               static_cast<C *>(nullptr), i32(3), i32(4), i32(5), i32(6),
+               static_cast<T *>(params[8]));
+  });
 }
 
 }  // extern "C"
