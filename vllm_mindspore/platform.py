@@ -5,7 +5,6 @@ so `device_type`/`device_name` stay "cpu" (vLLM builds `torch.device(...)` from 
 devices. What differs per device is the Ray resource key and the default block size.
 """
 
-import contextlib
 import glob
 import os
 
@@ -16,6 +15,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_mindspore import envs
 from vllm_mindspore.patches import apply_patches
+from vllm_mindspore.scoped import ScopedSetting
 
 logger = init_logger("vllm.vllm_mindspore.platform")
 
@@ -36,24 +36,18 @@ def detect_device() -> str:
 
 
 DEVICE = detect_device()
-_kernel_device: str | None = None
+_kernel_device: ScopedSetting[str | None] = ScopedSetting(None)
 
 
 def kernel_device() -> str:
     """The device whose kernels the ops/ cells choose when they are built: DEVICE, except inside
     `building_for` (the Ascend graph check compiles Ascend graphs on CPU)."""
-    return _kernel_device or DEVICE
+    return _kernel_device.value or DEVICE
 
 
-@contextlib.contextmanager
 def building_for(device: str):
     """Cells built in this block choose `device`'s kernels (and cache layouts)."""
-    global _kernel_device
-    previous, _kernel_device = _kernel_device, device
-    try:
-        yield
-    finally:
-        _kernel_device = previous
+    return _kernel_device.using(device)
 
 
 def visible_npus() -> int:
@@ -73,9 +67,9 @@ def cpu_has_bfloat16_dot() -> bool:
 
 def bfloat16_weights_on_cpu(model_dtype: torch.dtype, device: str | None = None) -> bool:
     """--dtype bfloat16 on CPU: MindSpore's CPU kernels have no bfloat16 Reshape, Gather or Sub,
-    so the graph computes in float32 (activations, norms, attention, KV cache) and the dense
-    projections take bfloat16 weights and round their inputs to bfloat16 (the plugin's AVX512-BF16
-    matmul, float32 sums): a bfloat16 model's speed, with fewer roundings than torch's."""
+    so the graph computes in float32 (activations, norms, attention) and the dense projections take
+    bfloat16 weights and round their inputs to bfloat16 (the plugin's AVX512-BF16 matmul, float32
+    sums); the KV cache is bfloat16: a bfloat16 model's speed, with fewer roundings than torch's."""
     return (device or DEVICE) == CPU and model_dtype == torch.bfloat16
 
 

@@ -6,7 +6,6 @@ declares, per parameter, which slice of the checkpoint tensor this rank holds (`
 weight loader reads only that slice from the safetensors file.
 """
 
-import contextlib
 from typing import NamedTuple
 
 import mindspore as ms
@@ -19,6 +18,7 @@ from vllm_mindspore.ops.host import parameter, to_host
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul
 from vllm_mindspore.ops.quant import QuantLinearMethod
 from vllm_mindspore.platform import ASCEND, CPU, kernel_device
+from vllm_mindspore.scoped import ScopedSetting
 
 
 class ShardSpec(NamedTuple):
@@ -40,25 +40,19 @@ class ParallelLayout(NamedTuple):
     ep_size: int = 1
 
 
-_layout: ParallelLayout | None = None
+_layout: ScopedSetting[ParallelLayout | None] = ScopedSetting(None)
 
 
-@contextlib.contextmanager
 def building_with_layout(layout: ParallelLayout):
     """Cells built in this block split their weights for `layout` instead of the running vLLM
     process's ranks (the Ascend graph check builds TP/EP graphs in one process)."""
-    global _layout
-    previous, _layout = _layout, layout
-    try:
-        yield
-    finally:
-        _layout = previous
+    return _layout.using(layout)
 
 
 def tp_rank_and_size() -> tuple[int, int]:
     """vLLM's tensor-parallel rank and size (0, 1 outside a vLLM worker)."""
-    if _layout is not None:
-        return _layout.tp_rank, _layout.tp_size
+    if _layout.value is not None:
+        return _layout.value.tp_rank, _layout.value.tp_size
     from vllm.distributed import (get_tensor_model_parallel_rank,
                                   get_tensor_model_parallel_world_size)
 
@@ -71,8 +65,8 @@ def tp_rank_and_size() -> tuple[int, int]:
 def ep_rank_and_size() -> tuple[int, int]:
     """Rank and size of the expert-parallel group (all DP x TP ranks) when vLLM's
     --enable-expert-parallel is on for a multi-rank MoE run, else (0, 1)."""
-    if _layout is not None:
-        return _layout.ep_rank, _layout.ep_size
+    if _layout.value is not None:
+        return _layout.value.ep_rank, _layout.value.ep_size
     from vllm.config import get_current_vllm_config
     from vllm.distributed.parallel_state import get_ep_group
 

@@ -12,32 +12,25 @@
   kernel rounds x to bfloat16 and sums in float32, at twice the float32 rate.
 """
 
-import contextlib
-
 import mindspore as ms
 import numpy as np
 
 from vllm_mindspore.ops import kernels
+from vllm_mindspore.scoped import ScopedSetting
 
 PANEL = 32
 
-_bfloat16_weights = False
+_bfloat16_weights = ScopedSetting(False)
 
 
-@contextlib.contextmanager
 def packing_bfloat16(enabled: bool):
     """Weights packed in this block (`packed_dtype`) are bfloat16 when `enabled`."""
-    global _bfloat16_weights
-    previous, _bfloat16_weights = _bfloat16_weights, enabled
-    try:
-        yield
-    finally:
-        _bfloat16_weights = previous
+    return _bfloat16_weights.using(enabled)
 
 
 def packed_dtype(dtype):
     """The dtype a float weight of a `dtype` model is packed in for the CPU kernels."""
-    return ms.bfloat16 if _bfloat16_weights else dtype
+    return ms.bfloat16 if _bfloat16_weights.value else dtype
 
 
 def pack_panels(weight: np.ndarray, dtype) -> np.ndarray:
