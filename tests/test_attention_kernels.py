@@ -1,8 +1,8 @@
-"""The CPU paged-attention kernel (vllm_mindspore/ops/csrc/paged_attention.cc) against numpy
-float64 causal attention, for each pair of activation and cache dtypes it takes: float32 over a
-float32 cache, float16 over float16, float32 over bfloat16 (--dtype bfloat16 on CPU). Two calls
-share the cache: a step of two prefills (one across a block boundary), then a step of a third
-prefill beside two decodes that read the first step's keys and values back."""
+"""The CPU paged-attention kernels (vllm_mindspore/ops/csrc/paged_attention.cc), MHA/GQA and MLA,
+against numpy float64 causal attention, for each pair of activation and cache dtypes they take:
+float32 over a float32 cache, float16 over float16, float32 over bfloat16 (--dtype bfloat16 on
+CPU). Two calls share the cache: a step of two prefills (one across a block boundary), then a step
+of a third prefill beside two decodes that read the first step's keys and values back."""
 
 import mindspore as ms
 import numpy as np
@@ -11,76 +11,116 @@ from mindspore import nn
 
 from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention
 from vllm_mindspore.ops.host import parameter, to_host
+from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.quant_reference import to_dtype
 
 ms.set_context(mode=ms.GRAPH_MODE)
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 32, 16, 8
-SCALE = HEAD_SIZE ** -0.5
+HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 16, 8
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
-class AttentionStep(nn.Cell):
-    """One layer's attention call over caches it owns (Parameters, kept between calls)."""
+class GroupedQueryStep(nn.Cell):
+    """One GQA layer's attention call over caches it owns (Parameters, kept between calls):
+    queries [T, H, D] and keys [T, KVH, D] enter stacked, values [T, KVH * D]."""
+
+    KV_HEADS, HEAD_SIZE = 2, 32
+    SCALE = HEAD_SIZE ** -0.5
 
     def __init__(self, cache_dtype):
         super().__init__()
-        self.attn = PagedAttention(HEADS, KV_HEADS, HEAD_SIZE, SCALE, BLOCK_SIZE)
+        self.attn = PagedAttention(HEADS, self.KV_HEADS, self.HEAD_SIZE, self.SCALE, BLOCK_SIZE)
         key_shape, value_shape = self.attn.cache_shapes(NUM_BLOCKS)
         self.key_cache = parameter(np.zeros(key_shape, np.float32), cache_dtype, "key_cache")
         self.value_cache = parameter(np.zeros(value_shape, np.float32), cache_dtype, "value_cache")
+
+    @classmethod
+    def tokens(cls, g, n: int):
+        """n tokens' (queries [n, H, D], keys [n, KVH, D], values [n, KVH, Dv])."""
+        return (g.standard_normal((n, HEADS, cls.HEAD_SIZE)),
+                g.standard_normal((n, cls.KV_HEADS, cls.HEAD_SIZE)),
+                g.standard_normal((n, cls.KV_HEADS, cls.HEAD_SIZE)))
+
+    @staticmethod
+    def inputs(queries, keys, values):
+        return np.concatenate([queries, keys], axis=1), values.reshape(len(values), -1)
 
     def construct(self, qk, v, positions, *metadata):
         return self.attn(qk, v, self.key_cache, self.value_cache, positions, *metadata)
 
 
-def reference(queries, keys, values):
+class LatentStep(nn.Cell):
+    """One MLA layer's kernel call over its latent cache: every head's query [T, H, L] against
+    one cached latent row per token [T, L], whose first `RANK` channels are the values."""
+
+    RANK, ROPE = 32, 16
+    KV_HEADS, HEAD_SIZE = 1, RANK + ROPE
+    SCALE = 0.2
+
+    def __init__(self, cache_dtype):
+        super().__init__()
+        self.attn = MLAAttention(HEADS, self.RANK, 16, self.ROPE, 16, self.SCALE, BLOCK_SIZE)
+        self.cache = parameter(np.zeros(self.attn.cache_shape(NUM_BLOCKS), np.float32),
+                               cache_dtype, "kv_cache")
+
+    @classmethod
+    def tokens(cls, g, n: int):
+        latent = g.standard_normal((n, 1, cls.HEAD_SIZE))
+        return g.standard_normal((n, HEADS, cls.HEAD_SIZE)), latent, latent[..., :cls.RANK]
+
+    @staticmethod
+    def inputs(queries, keys, values):
+        return queries, keys.reshape(len(keys), -1)
+
+    def construct(self, query, latent, positions, *metadata):
+        return self.attn.kernel(query, latent, self.cache, *metadata, self.attn.scale_tensor)
+
+
+def reference(queries, keys, values, scale):
     """Causal attention of a request's last len(queries) tokens over all its keys/values:
-    [n, H, D], [S, KVH, D], [S, KVH, D] -> [n, H, D] (float64)."""
-    group = HEADS // KV_HEADS
+    [n, H, D], [S, KVH, D], [S, KVH, Dv] -> [n, H, Dv] (float64)."""
+    group = HEADS // keys.shape[1]
     keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
     first = len(keys) - len(queries)
-    out = np.zeros(queries.shape)
+    out = np.zeros(queries.shape[:2] + values.shape[2:])
     for i, q in enumerate(queries):
         visible = first + i + 1
-        scores = np.einsum("hd,shd->hs", q, keys[:visible]) * SCALE
+        scores = np.einsum("hd,shd->hs", q, keys[:visible]) * scale
         p = np.exp(scores - scores.max(-1, keepdims=True))
         out[i] = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), values[:visible])
     return out
 
 
+@pytest.mark.parametrize("layer", [GroupedQueryStep, LatentStep], ids=["gqa", "mla"])
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", [
     ("float32", "float32", 1e-5), ("float16", "float16", 2e-3), ("float32", "bfloat16", 1e-5)])
-def test_paged_attention_matches_numpy(dtype, cache_dtype, tolerance):
+def test_paged_attention_matches_numpy(layer, dtype, cache_dtype, tolerance):
     """Each step's output equals numpy attention over the keys/values as the cache stores them
     (rounded to its dtype), with the queries as the activations hold them."""
     g = np.random.default_rng(0)
-    step = AttentionStep(MS_DTYPES[cache_dtype])
+    step = layer(MS_DTYPES[cache_dtype])
     block_tables = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 0], [0, 0, 0]], np.int32)
-    # Request -> its tokens so far: (queries [S, H, D], keys [S, KVH, D], values [S, KVH, D]).
-    history: dict[int, list] = {}
+    cached: dict[int, tuple] = {}  # request -> (keys, values) in the cache so far
     for new_tokens in ({0: 21, 1: 3}, {0: 1, 1: 1, 2: 9}):
         requests = sorted(new_tokens)
-        total = sum(new_tokens.values())
-        qk = to_dtype(g.standard_normal((total, HEADS + KV_HEADS, HEAD_SIZE)), dtype)
-        v = to_dtype(g.standard_normal((total, KV_HEADS * HEAD_SIZE)), dtype)
-        num_computed = np.array([len(history.get(r, [[]])[0]) for r in requests])
         num_scheduled = np.array([new_tokens[r] for r in requests])
+        num_computed = np.array([len(cached[r][0]) if r in cached else 0 for r in requests])
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(num_computed,
                                                                           num_scheduled)])
+        total = int(num_scheduled.sum())
+        queries, keys, values = (to_dtype(a, dtype) for a in layer.tokens(g, total))
         metadata = AttentionMetadata.build(num_scheduled, num_computed, positions,
                                            block_tables, BLOCK_SIZE, total)
-        out = step(ms.Tensor(qk, MS_DTYPES[dtype]), ms.Tensor(v, MS_DTYPES[dtype]),
+        out = step(*(ms.Tensor(a, MS_DTYPES[dtype]) for a in layer.inputs(queries, keys, values)),
                    ms.Tensor(positions.astype(np.int32)), *metadata.tensors())
-        out = to_host(out).reshape(total, HEADS, HEAD_SIZE)
+        out = to_host(out).reshape(total, HEADS, -1)
         start = 0
         for r, n in zip(requests, num_scheduled):
-            keys = to_dtype(qk[start:start + n, HEADS:], cache_dtype)
-            values = to_dtype(v[start:start + n].reshape(n, KV_HEADS, HEAD_SIZE), cache_dtype)
-            queries = qk[start:start + n, :HEADS]
-            old = history.get(r, [np.zeros((0, KV_HEADS, HEAD_SIZE))] * 2)
-            history[r] = [np.concatenate([old[0], keys]), np.concatenate([old[1], values])]
-            expected = reference(queries.astype(np.float64), *history[r])
-            np.testing.assert_allclose(out[start:start + n], expected, atol=tolerance,
-                                       rtol=tolerance, err_msg=f"request {r}")
+            new = slice(start, start + n)
+            old_keys, old_values = cached.get(r, (keys[:0], values[:0]))
+            cached[r] = (np.concatenate([old_keys, to_dtype(keys[new], cache_dtype)]),
+                         np.concatenate([old_values, to_dtype(values[new], cache_dtype)]))
+            expected = reference(queries[new].astype(np.float64), *cached[r], layer.SCALE)
+            np.testing.assert_allclose(out[new], expected, atol=tolerance, rtol=tolerance,
+                                       err_msg=f"request {r}")
             start += n
