@@ -2,7 +2,7 @@
 safetensors, through vLLM's offline `LLM` API (real engine, real MindSpore graph)."""
 
 import pytest
-from conftest import PROMPTS, HFReference, assert_matches_hf
+from conftest import PROMPTS, HFReference, assert_matches_hf, slow
 
 from vllm_mindspore.platform import cpu_has_bfloat16_dot
 
@@ -127,7 +127,9 @@ NEEDS_BFLOAT16_DOT = pytest.mark.skipif(not cpu_has_bfloat16_dot(),
     # ...while the MoE router's top-k turns float32-noise differences in the rounded keys into
     # other experts now and then (measured <= 0.031 on the 268-token prompt).
     pytest.param("bfloat16", "Qwen3MoeForCausalLM", dict(QWEN3_MOE, save_dtype="bfloat16"),
-                 "bfloat16", (1e-2, 5e-2), marks=NEEDS_BFLOAT16_DOT),
+                 "bfloat16", (1e-2, 5e-2), marks=[NEEDS_BFLOAT16_DOT, slow(
+                     "35 s; every run checks the bfloat16 MoE experts kernel against numpy "
+                     "(tests/test_linear_kernels.py) and bfloat16 through the engine on Llama")]),
 ])
 def test_reduced_precision_is_close_to_hf(make_llm, tiny_model_factory, dtype, arch, overrides,
                                           reference_rounding, tolerance):
