@@ -146,7 +146,7 @@ def resolve_model_class(architectures: list[str], backend: str):
     return import_target(resolve_entry(architectures, backend).model)
 
 
-def build_backend(vllm_config, block_size: int, dtype, static_shapes: bool):
+def build_backend(vllm_config, block_size: int, precision, static_shapes: bool):
     """The model of `vllm_config` behind the backend vLLM_MODEL_BACKEND selects, built with its
     weights loaded: a `contract.ModelBackend` (arguments: its `build`'s)."""
     from vllm.logger import init_logger
@@ -156,13 +156,13 @@ def build_backend(vllm_config, block_size: int, dtype, static_shapes: bool):
     entry = resolve_entry(list(getattr(model_config.hf_config, "architectures", None) or []),
                           choice.name, vllm_config)
     start = time.perf_counter()
-    backend = import_target(entry.backend).build(entry.model, vllm_config, block_size, dtype,
+    backend = import_target(entry.backend).build(entry.model, vllm_config, block_size, precision,
                                                  static_shapes)
     backend.load_weights(model_config.model, model_config.quantization)
     init_logger("vllm.vllm_mindspore.model_backends").info(
         "Built %s with %s (%s backend selected%s, %s) and loaded its weights in %.2f s",
         backend.implementation, type(backend).__name__, choice.name,
-        f": {entry.note}" if entry.note else "", dtype, time.perf_counter() - start)
+        f": {entry.note}" if entry.note else "", precision, time.perf_counter() - start)
     return backend
 
 

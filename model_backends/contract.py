@@ -16,6 +16,36 @@ if TYPE_CHECKING:
     import torch
 
 
+class Precision(NamedTuple):
+    """The dtypes a model runs in, decided once from `--dtype` and the device
+    (`vllm_mindspore.platform.precision_for`) and handed to `ModelBackend.build`."""
+
+    compute: "torch.dtype"  # the graphs' activations, and the weights but for `bfloat16_weights`
+    bfloat16_weights: bool  # CPU --dtype bfloat16: bfloat16 dense weights in float32 graphs
+    kv_cache: "torch.dtype"  # the model's dtype, as vLLM's `--kv-cache-dtype auto` keeps it
+
+    def __str__(self) -> str:  # the build's log line
+        def name(dtype) -> str:
+            return str(dtype).removeprefix("torch.")
+
+        weights = "bfloat16" if self.bfloat16_weights else name(self.compute)
+        return f"{name(self.compute)} graphs, {weights} weights, {name(self.kv_cache)} KV cache"
+
+    @property
+    def ms_compute(self) -> "ms.dtype":
+        return _to_mindspore(self.compute)
+
+    @property
+    def ms_kv_cache(self) -> "ms.dtype":
+        return _to_mindspore(self.kv_cache)
+
+
+def _to_mindspore(dtype: "torch.dtype") -> "ms.dtype":
+    import mindspore as ms
+
+    return getattr(ms, str(dtype).removeprefix("torch."))
+
+
 class StepTensors(NamedTuple):
     """One decoder graph call: T tokens (the step's, request after request, then padding) and
     B request rows (rows past the step's requests have zero lengths). All int32.
@@ -47,22 +77,23 @@ class ModelBackend(Protocol):
     hidden_size: int  # width of `forward`'s output rows (the whole model's, not a TP shard)
 
     @classmethod
-    def build(cls, model_class: str, vllm_config, block_size: int, dtype: "ms.dtype",
+    def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
               static_shapes: bool) -> "ModelBackend":
         """The model `model_class` ("module:Class", from the registry) with empty weights,
         for vLLM's config (`model_config.hf_text_config`, the parallel sizes), KV-cache
-        blocks of `block_size` tokens, computing in `dtype`."""
+        blocks of `block_size` tokens, in `precision`'s dtypes."""
 
     def load_weights(self, model_dir: str, quantization: str | None) -> None:
         """Read the HF checkpoint in `model_dir` (this rank's shards of it) and derive the
         compute layout; the model runs after this."""
 
-    def kv_cache_spec(self, block_size: int, torch_dtype: "torch.dtype") -> dict:
-        """vLLM layer name -> its `KVCacheSpec` (what vLLM's block manager sizes blocks by)."""
+    def kv_cache_spec(self, block_size: int) -> dict:
+        """vLLM layer name -> its `KVCacheSpec` (what vLLM's block manager sizes blocks by), in
+        `precision.kv_cache`."""
 
-    def allocate_kv_cache(self, num_blocks: int, dtype: "ms.dtype") -> None:
-        """Allocate every layer's cache for `num_blocks` blocks (what vLLM granted) in `dtype`
-        (the model's dtype: float32 graphs of a bfloat16 model on CPU keep a bfloat16 cache)."""
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's cache for `num_blocks` blocks (what vLLM granted), in
+        `precision.kv_cache` (float32 graphs of a bfloat16 model on CPU keep a bfloat16 cache)."""
 
     def compile_step(self, step: StepTensors) -> None:
         """Compile the decoder for `step`'s shapes (and `prefill_only` value) without running it."""

@@ -15,7 +15,6 @@ import time
 import urllib.request
 
 import pytest
-from mindspore import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VOCAB = 512
@@ -349,15 +348,3 @@ def serve(tmp_path):
     yield start
     for server in servers:
         server.stop()
-
-
-class OpCell(nn.Cell):
-    """Calls `op(*inputs, *params)` as a graph: runs one custom operator on its own."""
-
-    def __init__(self, op, *params):
-        super().__init__()
-        self.op = op
-        self.params = params
-
-    def construct(self, *inputs):
-        return self.op(*inputs, *self.params)

@@ -61,6 +61,7 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
     from vllm.config import ModelConfig, VllmConfig
 
     from model_backends import build_backend
+    from vllm_mindspore.platform import CPU, precision_for
 
     for name in ("vLLM_MODEL_BACKEND", "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND",
                  "MINDFORMERS_MODEL_CONFIG"):
@@ -68,18 +69,19 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
     model_dir = tiny_model_factory("Qwen3ForCausalLM")
     vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32",
                                                       max_model_len=64))
-    backend = build_backend(vllm_config, BLOCK_SIZE, ms.float32, static_shapes=True)
+    backend = build_backend(vllm_config, BLOCK_SIZE, precision_for(torch.float32, CPU),
+                            static_shapes=True)
     assert isinstance(backend, ModelBackend)
     assert (backend.name, backend.implementation) == (
         NATIVE, "model_backends.native.qwen3.Qwen3ForCausalLM")
     hf_config = vllm_config.model_config.hf_text_config
     assert backend.hidden_size == hf_config.hidden_size
 
-    specs = backend.kv_cache_spec(BLOCK_SIZE, torch.float32)
+    specs = backend.kv_cache_spec(BLOCK_SIZE)
     assert list(specs) == [f"model.layers.{i}.self_attn.attn"
                            for i in range(hf_config.num_hidden_layers)]
     weights = backend.weight_bytes()
-    backend.allocate_kv_cache(num_blocks=4, dtype=ms.float32)
+    backend.allocate_kv_cache(num_blocks=4)
     assert backend.weight_bytes() == weights > 0  # the caches are not weights
 
     block_tables = np.array([[0, 1], [2, 3]], np.int32)

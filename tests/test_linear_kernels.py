@@ -7,7 +7,7 @@ decode-sized blocks (1, 8, 9 rows) and several row chunks (300 rows)."""
 import mindspore as ms
 import numpy as np
 import pytest
-from conftest import OpCell
+from ms_cells import OpCell
 
 from vllm_mindspore.ops.host import parameter
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul, packing_bfloat16

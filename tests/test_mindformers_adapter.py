@@ -78,13 +78,14 @@ class Request:
 
 def build(model_class: str, model_dir: str):
     """MindFormersBackend.build + load_weights, as build_backend does for a registry entry."""
-    import mindspore as ms
+    import torch
 
     from model_backends.mindformers.backend import MindFormersBackend
+    from vllm_mindspore.platform import CPU, precision_for
 
     backend = MindFormersBackend.build(":".join(model_class.rsplit(".", 1)),
-                                       vllm_config(model_dir), BLOCK_SIZE, ms.float32,
-                                       static_shapes=True)
+                                       vllm_config(model_dir), BLOCK_SIZE,
+                                       precision_for(torch.float32, CPU), static_shapes=True)
     backend.load_weights(model_dir, None)
     return backend
 
@@ -152,7 +153,7 @@ def served(request, tiny_model_factory):
     model_dir = real_tiny_checkpoint(tiny_model_factory, arch, overrides, non_negative_bias=True)
     ms.set_context(mode=ms.GRAPH_MODE)  # the device: CPU, MindSpore's default here
     backend = build(model_class, model_dir)
-    backend.allocate_kv_cache(num_blocks=8, dtype=ms.float32)
+    backend.allocate_kv_cache(num_blocks=8)
     for size in GRAPH_TOKENS:
         backend.compile_step(make_step([], size))
     backend.compile_logits(8)
@@ -190,13 +191,11 @@ def test_the_mindformers_class_runs(served):
 def test_deepseek_kv_cache_is_the_latent(served):
     """One cache per layer of kv_lora_rank + qk_rope_head_dim values a token, as vLLM's
     MLAAttentionSpec accounts for."""
-    import torch
-
     name, _, backend, _, _ = served
     if MODELS[name][0] != "DeepseekV3ForCausalLM":
         pytest.skip("not an MLA model")
     latent = DEEPSEEK["kv_lora_rank"] + DEEPSEEK["qk_rope_head_dim"]
-    for spec in backend.kv_cache_spec(BLOCK_SIZE, torch.float32).values():
+    for spec in backend.kv_cache_spec(BLOCK_SIZE).values():
         assert type(spec).__name__ == "MLAAttentionSpec"
         assert spec.page_size_bytes == BLOCK_SIZE * latent * 4
     for layer in backend.network.model.decoder.layers:
@@ -253,9 +252,11 @@ def test_unsupported_configurations_are_refused(tiny_model_factory, arch, overri
                                                 expected):
     from model_backends.mindformers.backend import check_supported
     from model_backends.mindformers.config import UnsupportedByMindFormersError
+    from vllm_mindspore.platform import CPU, precision_for
 
+    config = vllm_config(tiny_model_factory(arch, **overrides), dtype)
     with pytest.raises(UnsupportedByMindFormersError, match=expected):
-        check_supported(vllm_config(tiny_model_factory(arch, **overrides), dtype))
+        check_supported(config, precision_for(config.model_config.dtype, CPU))
 
 
 @pytest.mark.parametrize("rope, expected", [

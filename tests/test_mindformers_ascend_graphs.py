@@ -53,14 +53,15 @@ MODELS = {
 }
 
 
-def build_for_ascend(model_dir: str, arch: str, dtype, static_shapes: bool, plant=None):
+def build_for_ascend(model_dir: str, arch: str, dtype: str, static_shapes: bool, plant=None):
     """MindFormersBackend as an Ascend worker builds it (the registry entry vLLM's config
     resolves to on Ascend, weights loaded, caches for 2 * MAX_BLOCKS + 1 blocks); with
     `static_shapes` its graphs take the step's shapes (every dimension known to inference)."""
+    import torch
     from vllm.engine.arg_utils import EngineArgs
 
     from model_backends import MINDFORMERS, import_target, resolve_entry
-    from vllm_mindspore.platform import ASCEND, building_for
+    from vllm_mindspore.platform import ASCEND, building_for, precision_for
 
     # --dtype float32 for vLLM's config: the CPU platform refuses bfloat16; the backend is
     # built in `dtype`, as the Ascend worker builds it in vLLM's dtype.
@@ -69,17 +70,18 @@ def build_for_ascend(model_dir: str, arch: str, dtype, static_shapes: bool, plan
     with building_for(ASCEND):
         entry = resolve_entry([arch], MINDFORMERS, vllm_config)
         assert entry.backend.endswith(":MindFormersBackend"), entry.note
-        backend = import_target(entry.backend).build(entry.model, vllm_config, BLOCK_SIZE, dtype,
-                                                     static_shapes=static_shapes)
+        backend = import_target(entry.backend).build(
+            entry.model, vllm_config, BLOCK_SIZE, precision_for(getattr(torch, dtype), ASCEND),
+            static_shapes=static_shapes)
         backend.load_weights(model_dir, None)
         if plant is not None:
             plant(backend)
-        backend.allocate_kv_cache(2 * MAX_BLOCKS + 1, dtype)
+        backend.allocate_kv_cache(2 * MAX_BLOCKS + 1)
     return backend
 
 
-def check_mindformers_ascend_graphs(model_dir: str, arch: str, dtype, static_shapes: bool = False,
-                                    plant=None):
+def check_mindformers_ascend_graphs(model_dir: str, arch: str, dtype: str,
+                                    static_shapes: bool = False, plant=None):
     """-> (backend, compile outcomes: increment graph, prefill graph, logits graph). `plant`
     (backend -> None) changes the built backend before its caches are allocated (the
     planted-error test)."""
@@ -92,7 +94,7 @@ def check_mindformers_ascend_graphs(model_dir: str, arch: str, dtype, static_sha
         decoder = types.SimpleNamespace(compile=backend.compile_step)
         outcomes = [compile_outcome(decoder, StepTensors(*step_inputs(prefill_only)))
                     for prefill_only in (False, True)]
-        hidden = ms.Tensor(np.zeros((2, backend.hidden_size), np.float32), dtype)
+        hidden = ms.Tensor(np.zeros((2, backend.hidden_size), np.float32), getattr(ms, dtype))
         outcomes.append(compile_outcome(backend.logits_head, hidden))
     return backend, outcomes
 
@@ -118,11 +120,9 @@ CASES = [pytest.param("qwen3", "bfloat16", False),
                          ids=[f"{c.values[0]}-{c.values[1]}-{'static' if c.values[2] else 'dynamic'}"
                               for c in CASES])
 def test_mindformers_ascend_graphs_pass_inference(tiny_model, name, dtype, static_shapes):
-    import mindspore as ms
-
     arch = MODELS[name][0]
-    backend, outcomes = check_mindformers_ascend_graphs(tiny_model(name), arch,
-                                                        getattr(ms, dtype), static_shapes)
+    backend, outcomes = check_mindformers_ascend_graphs(tiny_model(name), arch, dtype,
+                                                        static_shapes)
     # Every graph got past inference (compile_outcome raises otherwise). No decoder graph can
     # fully compile on CPU (Ascend-only ops); the logits graph (a matmul) can in float16.
     assert all(o in ("kernel-missing", "backend") for o in outcomes[:2]), outcomes
@@ -151,8 +151,6 @@ def test_a_planted_argument_order_error_fails_the_check(tiny_model):
     """The check is not vacuous: the forward's slot_mapping and block_tables swapped (the
     mapping onto mindformers' positional arguments is the adapter's) fail ReshapeAndCache's
     inference on the steps' shapes (and the dynamic graphs' input declaration)."""
-    import mindspore as ms
-
     def swapped(backend):
         arguments = backend._ascend_arguments
 
@@ -164,7 +162,7 @@ def test_a_planted_argument_order_error_fails_the_check(tiny_model):
         backend._ascend_arguments = swap
 
     with pytest.raises(AssertionError, match="slot mapping and key must be the same"):
-        check_mindformers_ascend_graphs(tiny_model("qwen3"), "Qwen3ForCausalLM", ms.bfloat16,
+        check_mindformers_ascend_graphs(tiny_model("qwen3"), "Qwen3ForCausalLM", "bfloat16",
                                         True, swapped)
 
 

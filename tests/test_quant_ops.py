@@ -6,7 +6,7 @@ and the MoE experts within float tolerance of the reference."""
 import mindspore as ms
 import numpy as np
 import pytest
-from conftest import OpCell
+from ms_cells import OpCell
 
 from vllm_mindspore.ops import quant_reference as ref
 from vllm_mindspore.ops.quant import (QuantArrays, QuantExperts, QuantLinearMethod, correction,

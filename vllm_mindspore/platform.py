@@ -13,6 +13,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from model_backends.contract import Precision
 from vllm_mindspore import envs
 from vllm_mindspore.patches import apply_patches
 from vllm_mindspore.scoped import ScopedSetting
@@ -65,16 +66,19 @@ def cpu_has_bfloat16_dot() -> bool:
     return "avx512_bf16" in flags.split()
 
 
-def bfloat16_weights_on_cpu(model_dtype: torch.dtype, device: str | None = None) -> bool:
-    """--dtype bfloat16 on CPU: MindSpore's CPU kernels have no bfloat16 Reshape, Gather or Sub,
-    so the graph computes in float32 (activations, norms, attention) and the dense projections take
-    bfloat16 weights and round their inputs to bfloat16 (the plugin's AVX512-BF16 matmul, float32
-    sums); the KV cache is bfloat16: a bfloat16 model's speed, with fewer roundings than torch's."""
-    return (device or DEVICE) == CPU and model_dtype == torch.bfloat16
+def precision_for(model_dtype: torch.dtype, device: str) -> Precision:
+    """The model's dtype everywhere, except --dtype bfloat16 on CPU: MindSpore's CPU kernels have
+    no bfloat16 Reshape, Gather or Sub, so the graph computes in float32 (activations, norms,
+    attention) and the dense projections take bfloat16 weights and round their inputs to bfloat16
+    (the plugin's AVX512-BF16 matmul, float32 sums); the KV cache is bfloat16: a bfloat16 model's
+    speed, with fewer roundings than torch's."""
+    bfloat16_on_cpu = device == CPU and model_dtype == torch.bfloat16
+    return Precision(compute=torch.float32 if bfloat16_on_cpu else model_dtype,
+                     bfloat16_weights=bfloat16_on_cpu, kv_cache=model_dtype)
 
 
 def check_dtype_for_device(device: str, dtype: str) -> None:
-    """CPU computes in float32 or float16, and bfloat16 as `bfloat16_weights_on_cpu` says (on
+    """CPU computes in float32 or float16, and bfloat16 as `precision_for` says (on
     CPUs with AVX512-BF16); Ascend's fused cache, attention and rope kernels take bfloat16 or
     float16 only."""
     if device == CPU and dtype == "bfloat16" and not cpu_has_bfloat16_dot():

@@ -25,12 +25,13 @@ from mindspore import Parameter, mint, mutable, nn, ops
 from safetensors import safe_open
 
 from model_backends import MINDFORMERS
+from model_backends.contract import Precision
 from model_backends.mindformers import package_limits
 from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByMindFormersError,
                                                mindformers_config)
 from model_backends.native.weights import WeightLoadError, is_mtp_tensor, safetensors_files
 from vllm_mindspore.ops.attention import prefill_mask
-from vllm_mindspore.platform import ASCEND, DEVICE, bfloat16_weights_on_cpu, kernel_device
+from vllm_mindspore.platform import ASCEND, DEVICE, kernel_device
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM")
@@ -68,8 +69,7 @@ class LogitsHead(nn.Cell):
         return self.output_layer(hidden).astype(ms.float32)
 
 
-# HF's DeepSeek-V3 q_a_layernorm / kv_a_layernorm: built with the RMSNorm default eps.
-def check_supported(vllm_config) -> str:
+def check_supported(vllm_config, precision: Precision) -> str:
     """-> the architecture; refuses what this backend cannot run yet, naming the alternative."""
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config.hf_config, "architectures", None) or [])
@@ -80,7 +80,7 @@ def check_supported(vllm_config) -> str:
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} so far (mindformers 2.0.0 has no "
                         "mcore Llama class)")
     problems += package_limits(vllm_config)
-    if bfloat16_weights_on_cpu(model_config.dtype, kernel_device()):
+    if precision.bfloat16_weights:
         problems.append("--dtype bfloat16 on CPU: MindSpore has no bfloat16 matmul there (the "
                         "native backend's own kernels have); use float32 or float16")
     if problems:
@@ -111,9 +111,10 @@ class MindFormersBackend:
 
     name = MINDFORMERS
 
-    def __init__(self, network, vllm_config, dtype, mla: bool, block_size: int):
+    def __init__(self, network, vllm_config, precision: Precision, mla: bool, block_size: int):
         self.network = network
-        self.dtype = dtype
+        self.precision = precision
+        self.dtype = precision.ms_compute
         self.mla = mla  # multi-latent attention: one latent cache per layer
         self.block_size = block_size
         self.ascend = kernel_device() == ASCEND  # mindformers' own Ascend ops, dynamic shapes
@@ -127,12 +128,12 @@ class MindFormersBackend:
         self._phase: str | None = None
 
     @classmethod
-    def build(cls, model_class: str, vllm_config, block_size: int, dtype,
+    def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
               static_shapes: bool) -> "MindFormersBackend":
         """The mcore network (`model_class`, from the registry) for vLLM's config, weights not
         loaded: for Ascend (`kernel_device()`) mindformers' own cells with dynamic shapes, else
         with the CPU substitutes and static shapes (one graph per padded token count)."""
-        arch = check_supported(vllm_config)
+        arch = check_supported(vllm_config, precision)
         from vllm_mindspore.patches.mindformers import apply_mindformers_patches
 
         apply_mindformers_patches()
@@ -142,7 +143,7 @@ class MindFormersBackend:
 
         # mindformers' context sets the process's device (mindspore.set_device): the one this
         # process runs on, also when its cells are built for Ascend (the graph check on CPU).
-        config = mindformers_config(vllm_config, arch, block_size, dtype, DEVICE)
+        config = mindformers_config(vllm_config, arch, block_size, precision.ms_compute, DEVICE)
         build_mf_context(config)
         initialize_tensor_parallel(vllm_config.parallel_config.tensor_parallel_size)
         with no_init_parameters():
@@ -157,7 +158,7 @@ class MindFormersBackend:
         model.return_hidden_states = True  # the logits are a second graph over sampled rows
         mla = arch in MLA_ARCHITECTURES
         if kernel_device() == ASCEND:
-            backend = cls(network, vllm_config, dtype, mla, block_size)
+            backend = cls(network, vllm_config, precision, mla, block_size)
             backend.prepare_ascend_graphs(static_shapes)
             return backend
         from model_backends.mindformers.cpu_substitutes import (bind_mla_attention,
@@ -173,7 +174,7 @@ class MindFormersBackend:
             else:
                 bind_paged_attention(attention.core_attention, 1.0 / attention.norm_factor,
                                      block_size)
-        return cls(network, vllm_config, dtype, mla, block_size)
+        return cls(network, vllm_config, precision, mla, block_size)
 
     def prepare_ascend_graphs(self, static_shapes: bool) -> None:
         """Ascend: the graphs run as mindformers' `jit` runs them (O0, infer_boost). Dynamic
@@ -261,17 +262,17 @@ class MindFormersBackend:
                 layer.self_attention if self.mla else layer.self_attention.core_attention
                 for i, layer in enumerate(self.network.model.decoder.layers)}
 
-    def kv_cache_spec(self, block_size: int, torch_dtype):
+    def kv_cache_spec(self, block_size: int):
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
         if self.mla:  # one latent row per token: [c, k_pe]
             return {name: MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
                                            head_size=self._latent_size(cell),
-                                           dtype=torch_dtype)
+                                           dtype=self.precision.kv_cache)
                     for name, cell in self._attention_cells().items()}
         return {name: FullAttentionSpec(block_size=block_size, num_kv_heads=cell.kv_head_num,
                                         head_size=cell.hidden_size_per_attention_head,
-                                        dtype=torch_dtype)
+                                        dtype=self.precision.kv_cache)
                 for name, cell in self._attention_cells().items()}
 
     def _latent_size(self, attention) -> int:
@@ -288,7 +289,8 @@ class MindFormersBackend:
         shape = (num_blocks, self.block_size, cell.kv_head_num, cell.hidden_size_per_attention_head)
         return shape, shape
 
-    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.precision.ms_kv_cache
         if self.ascend:
             shapes = [self._ascend_cache_shapes(cell, num_blocks)
                       for cell in self._attention_cells().values()]

@@ -10,10 +10,9 @@ import numpy as np
 from vllm.config import set_current_vllm_config
 
 from model_backends import NATIVE, import_target
-from model_backends.contract import ModelBackend, StepTensors
+from model_backends.contract import ModelBackend, Precision, StepTensors
 from model_backends.native.weights import load_checkpoint, process_weights_after_loading
 from vllm_mindspore.ops.linear import packing_bfloat16
-from vllm_mindspore.platform import bfloat16_weights_on_cpu, kernel_device
 
 
 class StaticGraphs:
@@ -53,12 +52,14 @@ class StaticGraphs:
 class NativeBackend:
     name = NATIVE
 
-    def __init__(self, cell, implementation: str, vllm_config, dtype, static_shapes: bool):
+    def __init__(self, cell, implementation: str, vllm_config, precision: Precision,
+                 static_shapes: bool):
         self.cell = cell
         self.implementation = implementation
         self.hidden_size = cell.config.hidden_size
         self.vllm_config = vllm_config
-        self.dtype = dtype
+        self.precision = precision
+        self.dtype = precision.ms_compute
         self.static_shapes = static_shapes
         self.head = None  # the logits graph, made once the weights are in their compute layout
         # CPU: static graphs called directly; Ascend: one dynamic-shape graph each, via the Cell.
@@ -66,19 +67,19 @@ class NativeBackend:
         self.head_graphs = None
 
     @classmethod
-    def build(cls, model_class: str, vllm_config, block_size: int, dtype,
+    def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
               static_shapes: bool) -> ModelBackend:
         model_cls = import_target(model_class)
         # vLLM's rope tables and the parallel layout (TP/EP ranks) read the current config.
         with set_current_vllm_config(vllm_config):
-            cell = model_cls(vllm_config.model_config.hf_text_config, block_size, dtype)
-        return cls(cell, model_class.replace(":", "."), vllm_config, dtype, static_shapes)
+            cell = model_cls(vllm_config.model_config.hf_text_config, block_size,
+                             precision.ms_compute)
+        return cls(cell, model_class.replace(":", "."), vllm_config, precision, static_shapes)
 
     def load_weights(self, model_dir: str, quantization: str | None) -> None:
-        bfloat16_weights = bfloat16_weights_on_cpu(self.vllm_config.model_config.dtype,
-                                                   kernel_device())
         # expert sharding reads the EP layout
-        with set_current_vllm_config(self.vllm_config), packing_bfloat16(bfloat16_weights):
+        with (set_current_vllm_config(self.vllm_config),
+              packing_bfloat16(self.precision.bfloat16_weights)):
             load_checkpoint(self.cell, model_dir, self.cell.checkpoint_name_to_param,
                             quantization)
             process_weights_after_loading(self.cell)
@@ -89,11 +90,11 @@ class NativeBackend:
             self.cell.set_inputs(*self.cell.dynamic_inputs())
             self.head.set_inputs(ms.Tensor(shape=[None, self.hidden_size], dtype=self.dtype))
 
-    def kv_cache_spec(self, block_size: int, torch_dtype) -> dict:
-        return self.cell.kv_cache_spec(block_size, torch_dtype)
+    def kv_cache_spec(self, block_size: int) -> dict:
+        return self.cell.kv_cache_spec(block_size, self.precision.kv_cache)
 
-    def allocate_kv_cache(self, num_blocks: int, dtype) -> None:
-        self.cell.allocate_kv_cache(num_blocks, dtype)
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.cell.allocate_kv_cache(num_blocks, self.precision.ms_kv_cache)
 
     def compile_step(self, step: StepTensors) -> None:
         (self.graphs or self.cell).compile(*step)

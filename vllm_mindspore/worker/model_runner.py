@@ -37,11 +37,9 @@ from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
 from vllm_mindspore.ops import AttentionMetadata
 from vllm_mindspore.patches import SAMPLER_PATCHES, apply
-from vllm_mindspore.platform import ASCEND, DEVICE, bfloat16_weights_on_cpu
+from vllm_mindspore.platform import ASCEND, DEVICE, precision_for
 
 logger = init_logger("vllm.vllm_mindspore.model_runner")
-
-MS_DTYPES = {torch.float32: ms.float32, torch.float16: ms.float16, torch.bfloat16: ms.bfloat16}
 
 
 def power_of_two_sizes(largest: int) -> list[int]:
@@ -147,12 +145,7 @@ class MindSporeModelRunner:
         self.scheduler_config = vllm_config.scheduler_config
         self.max_model_len = self.model_config.max_model_len
         self.block_size = self.cache_config.block_size
-        # The graph's dtype; bfloat16 on CPU computes in float32 around bfloat16 matmuls and a
-        # bfloat16 KV cache (the model's dtype, as vLLM keeps it).
-        self.bfloat16_weights = bfloat16_weights_on_cpu(self.model_config.dtype)
-        self.torch_dtype = torch.float32 if self.bfloat16_weights else self.model_config.dtype
-        self.dtype = MS_DTYPES[self.torch_dtype]
-        self.kv_cache_dtype = self.model_config.dtype
+        self.precision = precision_for(self.model_config.dtype, DEVICE)
         self.device = torch.device("cpu")
         # Not `self.model`: vLLM's LLMEngine reads `model_runner.model` as a torch module at exit.
         self.backend: ModelBackend | None = None
@@ -185,14 +178,14 @@ class MindSporeModelRunner:
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.backend = build_backend(self.vllm_config, self.block_size, self.dtype,
+        self.backend = build_backend(self.vllm_config, self.block_size, self.precision,
                                    static_shapes=self.sizes.static)
 
     def get_kv_cache_spec(self):
-        return self.backend.kv_cache_spec(self.block_size, self.kv_cache_dtype)
+        return self.backend.kv_cache_spec(self.block_size)
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
-        self.backend.allocate_kv_cache(kv_cache_config.num_blocks, MS_DTYPES[self.kv_cache_dtype])
+        self.backend.allocate_kv_cache(kv_cache_config.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens", kv_cache_config.num_blocks, self.block_size)
 
     def warm_up(self) -> float:
