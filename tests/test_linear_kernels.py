@@ -9,19 +9,36 @@ import numpy as np
 import pytest
 from ms_cells import OpCell
 
+from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul, packing_bfloat16
 from vllm_mindspore.ops.moe import MoEDispatch
 from vllm_mindspore.ops.quant_reference import to_dtype
-from vllm_mindspore.platform import cpu_has_bfloat16_dot
+from vllm_mindspore.platform import cpu_has_amx, cpu_has_bfloat16_dot
 
 ms.set_context(mode=ms.GRAPH_MODE)
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16}
 # Sums of float32 products in another order; float16 outputs are rounded once more.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-5}
-WEIGHT_DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not cpu_has_bfloat16_dot(), reason="this CPU has no AVX512-BF16"))]
+NEEDS_BFLOAT16_DOT = pytest.mark.skipif(not cpu_has_bfloat16_dot(),
+                                        reason="this CPU has no AVX512-BF16")
+# bfloat16 weights run on AMX tiles where the CPU has them ("bfloat16-amx"), else on vdpbf16ps
+# ("bfloat16"): both are checked where both exist.
+WEIGHT_DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=NEEDS_BFLOAT16_DOT),
+                 pytest.param("bfloat16-amx", marks=[NEEDS_BFLOAT16_DOT, pytest.mark.skipif(
+                     not cpu_has_amx(), reason="this CPU has no AMX-BF16")])]
+
+
+@pytest.fixture
+def weight_dtype(request):
+    """The weights' dtype (request.param, with the bfloat16 kernel chosen for the test)."""
+    dtype, _, unit = request.param.partition("-")
+    if kernels.use_amx(unit == "amx") != (unit == "amx"):
+        pytest.fail("the CPU reports AMX-BF16, but the kernels cannot use it (Linux refused the "
+                    "tile state, or the library was built without -mamx-bf16)")
+    yield dtype
+    kernels.use_amx(True)
 
 
 def silu(x):
@@ -42,7 +59,7 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
         return parameter(pack_panels(weight, dtype), dtype, name)
 
 
-@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, indirect=True)
 @pytest.mark.parametrize("rows", [1, 8, 9, 300])
 @pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul"])
 def test_packed_linear_matches_numpy(weight_dtype, rows, variant):
@@ -69,7 +86,7 @@ def test_packed_linear_matches_numpy(weight_dtype, rows, variant):
                                atol=TOLERANCE[weight_dtype])
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", WEIGHT_DTYPES[-1]])
+@pytest.mark.parametrize("weight_dtype", ["float32", *WEIGHT_DTYPES[2:]], indirect=True)
 def test_moe_experts_match_numpy(weight_dtype):
     """Each token's top-k experts: silu(x . gate) * (x . up) . down, weighted and summed; ids
     outside this rank's experts (-1, 4) contribute nothing."""

@@ -73,6 +73,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Unset: --kv-cache-memory-bytes if given, else gpu_memory_utilization x free memory, "
         "capped at 4 GiB.",
     ),
+    "VLLM_MS_CPU_AMX": (
+        _flag("VLLM_MS_CPU_AMX", "1"),
+        "CPU, --dtype bfloat16: 1 (default) runs the dense matmuls on AMX tiles where the CPU has "
+        "them (Intel Sapphire Rapids and later); 0 keeps the AVX512-BF16 kernels.",
+    ),
     "VLLM_MODEL_BACKEND": (
         _first_set("vLLM_MODEL_BACKEND", "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND"),
         "Model backend: MindFormers or Native (case-insensitive); read from vLLM_MODEL_BACKEND "

@@ -59,11 +59,19 @@ def visible_npus() -> int:
     return len(glob.glob("/dev/davinci[0-9]*"))
 
 
+def cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((line for line in cpuinfo if line.startswith("flags")), "").split()
+
+
 def cpu_has_bfloat16_dot() -> bool:
     """AVX512-BF16 (vdpbf16ps), which the CPU kernels' bfloat16 matmul is written for."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    return "avx512_bf16" in flags.split()
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """AMX-BF16 tiles, which the bfloat16 matmul uses where it can (VLLM_MS_CPU_AMX)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def precision_for(model_dtype: torch.dtype, device: str) -> Precision:

@@ -75,6 +75,12 @@ def set_num_threads(num_threads: int) -> None:
     ctypes.CDLL(library_path()).SetNumThreads(int(num_threads))
 
 
+def use_amx(wanted: bool) -> bool:
+    """Let the bfloat16 matmul use AMX tiles where the CPU has them (VLLM_MS_CPU_AMX) -> whether
+    it will (the CPU has AMX, the kernels were built for it and Linux granted its state)."""
+    return bool(ctypes.CDLL(library_path()).UseAmx(int(wanted)))
+
+
 def custom_op(function: str, out_shape, out_dtype):
     """`ops.Custom` running `function` of the kernel library; out_shape/out_dtype map the input
     shapes/dtypes to the output's."""

@@ -44,6 +44,8 @@ def init_mindspore(device_index: int, cpu_threads: int) -> None:
     from vllm_mindspore.ops import kernels
 
     kernels.set_num_threads(cpu_threads)
+    if kernels.use_amx(envs.VLLM_MS_CPU_AMX):
+        logger.info("CPU kernels: bfloat16 matmuls on AMX tiles (VLLM_MS_CPU_AMX=0: AVX512-BF16)")
 
 
 class MindSporeWorker(WorkerBase):

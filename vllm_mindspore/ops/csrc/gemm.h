@@ -9,9 +9,17 @@
 // the layout of AVX512-BF16's vdpbf16ps: one instruction multiplies two k of 16 columns by the
 // row's two bfloat16 activations and adds both products to 16 float32 accumulators (twice the
 // float32 FMA's rate). The rows of x are rounded to bfloat16 for it; sums stay float32.
+//
+// On CPUs with AMX (Intel Sapphire Rapids and later) the same panels are read as tiles: one
+// TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 columns of a panel (the pairs layout is
+// the tile instruction's too), 8x the multiply-adds per cycle of vdpbf16ps.
 #pragma once
 
 #include <omp.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -32,12 +40,30 @@ constexpr int kSmallRows = 8;
 constexpr int kSmallRows = kRows;
 #endif
 constexpr int64_t kDepth = 512;  // K per pass, so a panel slice stays in cache across row blocks
+// Up to this many rows take the vdpbf16ps blocks even where AMX is there: bound by reading the
+// weights either way, and a 16-row tile would compute mostly padding.
+constexpr int64_t kAmxMinRows = 4;
 
 #if defined(__AVX512BF16__)
 constexpr bool kHasBf16Dot = true;
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
+
+// Whether the bfloat16 matmul may use AMX (UseAmx: VLLM_MS_CPU_AMX; the kernel tests run both).
+inline bool amx_wanted = true;
+
+// AMX compiled in (-march=native on an AMX CPU) and granted: Linux hands a process the tile
+// registers' state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA;
+// kernels before 5.16 refuse, and the AVX512-BF16 path runs).
+inline bool amx_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
 
 // How a panel of W stores its k: one float32/float16 value per k, or bfloat16 pairs of k (the
 // rows of x then enter as pairs too: Step is the element one k step of a row reads).
@@ -138,9 +164,140 @@ const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t
 // 32, the step a third slower). `parallel` off: the caller already runs one matmul per thread.
 constexpr int64_t kRowChunk = 16 * kRows;
 
+// Rows [0, rows) of one panel of y (`out`, row stride ldy): copied from the block `c` they were
+// computed in when that is not y itself (a panel narrower than 32, rows past M), plus the bias.
+template <typename B>
+void finish_rows(const float *c, int64_t ldc, int64_t rows, float *out, int64_t ldy,
+                 int64_t columns, const B *bias) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float *row = out + r * ldy;
+    if (c != out) std::memcpy(row, c + r * ldc, columns * sizeof(float));
+    if (bias != nullptr)
+      for (int64_t j = 0; j < columns; ++j) row[j] += to_float(bias[j]);
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr int64_t kTilePairs = 16;      // pairs of k (32 k) per tile step
+constexpr int64_t kAmxRowChunk = 256;   // rows of x per work item (its bfloat16 rows stay in L2)
+
+// Tiles 0-3: c, rows 0-15 | 16-31 x columns 0-15 | 16-31; 4-5: 16 rows of x each; 6-7: the
+// panel's columns 0-15 | 16-31. Every tile 16 rows of 64 bytes (16 float32, 32 bfloat16 or
+// 16 columns' pairs). The configuration is each thread's own.
+inline void configure_tiles() {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// c[0:16 T, 0:32] = a[0:16 T, 0:pairs] . panel[0:pairs, 32, 2], pairs a multiple of kTilePairs;
+// a's rows lda pairs apart, c's rows ldc floats apart.
+template <int T>
+void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs, float *c,
+               int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (T == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t p = 0; p < pairs; p += kTilePairs) {
+    const bf16 *b = panel + p * 2 * kPanel;
+    _tile_loadd(6, b, 2 * kPanel * sizeof(bf16));
+    _tile_loadd(7, b + kPanel, 2 * kPanel * sizeof(bf16));
+    _tile_loadd(4, a + p, lda * sizeof(uint32_t));
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (T == 2) {
+      _tile_loadd(5, a + 16 * lda + p, lda * sizeof(uint32_t));
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, ldc * sizeof(float));
+  _tile_stored(1, c + 16, ldc * sizeof(float));
+  if constexpr (T == 2) {
+    _tile_stored(2, c + 16 * ldc, ldc * sizeof(float));
+    _tile_stored(3, c + 16 * ldc + 16, ldc * sizeof(float));
+  }
+}
+
+// matmul (below) with bfloat16 panels on AMX: blocks of 32 (or 16) rows x one panel, the k past
+// the last whole tile step (K not a multiple of 32) by the vdpbf16ps blocks.
+template <typename B>
+void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const B *bias,
+                int64_t N, float *y, int64_t ldy, bool parallel) {
+  const int64_t steps = (K + 1) / 2, tiled = steps / kTilePairs * kTilePairs;
+  const int64_t padded_rows = (M + 15) / 16 * 16;
+  thread_local std::vector<uint32_t> step_buffer;
+  step_buffer.resize(padded_rows * steps);
+  uint32_t *a = step_buffer.data();
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t chunks = (padded_rows + kAmxRowChunk - 1) / kAmxRowChunk;
+  // Equal chunks of whole 32-row blocks (the last one may end in a 16-row block).
+  const int64_t chunk_rows = (padded_rows / chunks + (padded_rows % chunks > 0) + 31) / 32 * 32;
+  // x's rows in bfloat16 pairs, zero rows after M; split over the threads for a prefill's
+  // megabytes only (a decode's rows take microseconds, less than waking the other thread).
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (parallel && M * K >= 16 * kParallelElements)
+  for (int64_t m = 0; m < padded_rows; ++m) {
+    bf16 *row = reinterpret_cast<bf16 *>(a + m * steps);
+    if (m < M) {
+      convert(x + m * K, row, K);
+      if (K % 2) row[K] = bf16{0};
+    } else {
+      std::fill(a + m * steps, a + (m + 1) * steps, 0u);
+    }
+  }
+#pragma omp parallel num_threads(num_threads) if (parallel && chunks * panels > 1)
+  {
+    configure_tiles();
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      for (int64_t p = 0; p < panels; ++p) {
+        const bf16 *panel = packed + p * steps * 2 * kPanel;
+        const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+        alignas(64) float tile[32 * kPanel];  // rows past M, or a panel narrower than 32
+        const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
+        for (int64_t i = chunk * chunk_rows; i < end; i += 32) {
+          const int64_t block_rows = std::min<int64_t>(32, end - i);  // 32 or 16
+          const int64_t rows = std::min(block_rows, M - i);
+          float *out = y + i * ldy + p * kPanel;
+          const bool direct = columns == kPanel && rows == block_rows;
+          float *c = direct ? out : tile;
+          const int64_t ldc = direct ? ldy : kPanel;
+          if (tiled > 0) {
+            if (block_rows == 32)
+              amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
+            else
+              amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc);
+          }
+          for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
+            block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
+                    a + (i + r) * steps + tiled, steps, panel + tiled * 2 * kPanel,
+                    steps - tiled, c + r * ldc, ldc, tiled > 0);
+          finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 template <typename W, typename B>
 void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias, int64_t N,
             float *y, int64_t ldy, bool parallel = true) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<W, bf16>) {
+    if (M > kAmxMinRows && amx_wanted && amx_available())
+      return matmul_amx(x, M, K, packed, bias, N, y, ldy, parallel);
+  }
+#endif
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
   thread_local std::vector<uint32_t> step_buffer;
@@ -165,12 +322,8 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
         for (int64_t s0 = 0; s0 < steps; s0 += depth)
           block_n(rows, a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
                   std::min(depth, steps - s0), c, ldc, s0 > 0);
-        for (int r = 0; r < rows; ++r) {
-          float *out = y + (i + r) * ldy + p * kPanel;
-          if (c == tile) std::memcpy(out, tile + r * kPanel, columns * sizeof(float));
-          if (bias != nullptr)
-            for (int64_t j = 0; j < columns; ++j) out[j] += to_float(bias[p * kPanel + j]);
-        }
+        finish_rows(c, ldc, rows, y + i * ldy + p * kPanel, ldy, columns,
+                    bias ? bias + p * kPanel : nullptr);
       }
     }
   }

@@ -67,6 +67,12 @@ int dispatch(const char **dtypes, void **params, int *ndims, int64_t **shapes, b
 
 extern "C" {
 
+// Whether the bfloat16 matmul uses AMX from now on (`wanted` and available) -> 1 if it does.
+int UseAmx(int wanted) {
+  vllm_ms::amx_wanted = wanted != 0;
+  return vllm_ms::amx_wanted && vllm_ms::amx_available();
+}
+
 // x [M, K], packed [P, K, 32] or [P, ceil(K / 2), 32, 2] -> y [M, N]
 int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
            void *, void *) {
