@@ -60,6 +60,7 @@ def visible_npus() -> int:
 
 
 def cpu_flags() -> list[str]:
+    """The CPU's feature flags, as /proc/cpuinfo lists them."""
     with open("/proc/cpuinfo") as cpuinfo:
         return next((line for line in cpuinfo if line.startswith("flags")), "").split()
 
@@ -78,8 +79,8 @@ def precision_for(model_dtype: torch.dtype, device: str) -> Precision:
     """The model's dtype everywhere, except --dtype bfloat16 on CPU: MindSpore's CPU kernels have
     no bfloat16 Reshape, Gather or Sub, so the graph computes in float32 (activations, norms,
     attention) and the dense projections take bfloat16 weights and round their inputs to bfloat16
-    (the plugin's AVX512-BF16 matmul, float32 sums); the KV cache is bfloat16: a bfloat16 model's
-    speed, with fewer roundings than torch's."""
+    (the plugin's matmul on AMX tiles or AVX512-BF16, float32 sums); the KV cache is bfloat16: a
+    bfloat16 model's speed, with fewer roundings than torch's."""
     bfloat16_on_cpu = device == CPU and model_dtype == torch.bfloat16
     return Precision(compute=torch.float32 if bfloat16_on_cpu else model_dtype,
                      bfloat16_weights=bfloat16_on_cpu, kv_cache=model_dtype)
