@@ -50,6 +50,16 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture
+def two_kernel_threads():
+    """The CPU kernels split their work over two threads, as in a worker given two cores."""
+    from vllm_mindspore.ops import kernels
+
+    kernels.set_num_threads(2)
+    yield
+    kernels.set_num_threads(1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.quant_reference import to_dtype
 
 ms.set_context(mode=ms.GRAPH_MODE)
+pytestmark = pytest.mark.usefixtures("two_kernel_threads")  # the parallel splits too
 
 HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 16, 8
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}

@@ -17,6 +17,7 @@ from vllm_mindspore.ops.quant_reference import to_dtype
 from vllm_mindspore.platform import cpu_has_amx, cpu_has_bfloat16_dot
 
 ms.set_context(mode=ms.GRAPH_MODE)
+pytestmark = pytest.mark.usefixtures("two_kernel_threads")  # the parallel splits too
 
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16}
 # Sums of float32 products in another order; float16 outputs are rounded once more.

@@ -6,7 +6,7 @@ and the MoE experts within float tolerance of the reference."""
 import mindspore as ms
 import numpy as np
 import pytest
-from ms_cells import OpCell
+from ms_cells import OpCell, call_aot
 
 from vllm_mindspore.ops import quant_reference as ref
 from vllm_mindspore.ops.quant import (QuantArrays, QuantExperts, QuantLinearMethod, correction,
@@ -14,6 +14,7 @@ from vllm_mindspore.ops.quant import (QuantArrays, QuantExperts, QuantLinearMeth
                                       quantize_static_op)
 
 ms.set_context(mode=ms.GRAPH_MODE)
+pytestmark = pytest.mark.usefixtures("two_kernel_threads")  # the parallel splits too
 
 
 def tensor(array, dtype=None):
@@ -162,7 +163,6 @@ def test_moe_experts_match_the_reference():
 def test_portable_fallback_without_vnni_is_exact(tmp_path):
     """The kernel built without AVX-512 VNNI (the portable integer loop) gives the same int32
     accumulators; called through the same AOT entry point with ctypes."""
-    import ctypes
     import os
     import subprocess
 
@@ -170,7 +170,7 @@ def test_portable_fallback_without_vnni_is_exact(tmp_path):
 
     csrc = os.path.join(os.path.dirname(kernels.__file__), "csrc")
     lib = str(tmp_path / "quant_portable.so")
-    subprocess.run(["g++", "-std=c++17", "-O2", "-march=native", "-mno-avx512vnni", "-fopenmp",
+    subprocess.run(["g++", "-std=c++17", "-O2", "-march=native", "-mno-avx512vnni", "-pthread",
                     "-shared", "-fPIC", "-o", lib, os.path.join(csrc, "quant.cc")], check=True,
                    timeout=300)
     g = rng(7)
@@ -178,13 +178,7 @@ def test_portable_fallback_without_vnni_is_exact(tmp_path):
     q = g.integers(-128, 128, (m, k), dtype=np.int8)
     w = g.integers(-128, 128, (n, k), dtype=np.int8)
     arrays = QuantArrays("W8A8", w, quant_bias=g.integers(-999, 999, n).astype(np.int32))
-    packed, corr = pack_int8(w), correction(arrays)
     out = np.zeros((m, n), np.int32)
-    arrays_in = [q, packed, corr, out]
-    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays_in]
-    params = (ctypes.c_void_p * 4)(*[a.ctypes.data for a in arrays_in])
-    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * 4)(*shapes)
-    dtypes = (ctypes.c_char_p * 4)(b"int8", b"int8", b"int32", b"int32")
-    status = ctypes.CDLL(lib).QuantMatmulInt32(4, params, None, shape_ptrs, dtypes, None, None)
+    status = call_aot(lib, "QuantMatmulInt32", [q, pack_int8(w), correction(arrays), out])
     assert status == 0
     np.testing.assert_array_equal(out, ref.int_matmul(q, w, arrays.quant_bias))

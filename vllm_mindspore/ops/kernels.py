@@ -4,7 +4,7 @@ MindSpore registers no fused LLM kernel on CPU, and a chain of its small ops cos
 microseconds of dispatch each plus a copy per intermediate; the hot spots (paged attention, the
 dense projections, the MoE experts, norms, rotary embeddings) are therefore one C++ operator
 each (`csrc/`), called from the graph through `ops.Custom(func_type="aot")`. The library is compiled once per source, compiler and CPU
-(`-O3 -march=native -fopenmp`) into `~/.cache/vllm-mindspore/kernels/` and reused; several
+(`-O3 -march=native`) into `~/.cache/vllm-mindspore/kernels/` and reused; several
 processes building at once each write their own file and rename it into place.
 """
 
@@ -21,8 +21,9 @@ logger = init_logger("vllm.vllm_mindspore.kernels")
 
 _SOURCES = ("paged_attention.cc", "linear.cc", "moe.cc", "norm_rope.cc", "quant.cc",
             "sampling.cc")
-_HEADERS = ("common.h", "gemm.h")
-_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+_HEADERS = ("common.h", "gemm.h", "parallel.h")
+_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-pthread", "-shared",
+          "-fPIC")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
 

@@ -11,10 +11,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace vllm_ms {
+#include "parallel.h"
 
-// Threads each kernel call may use: the worker's share of the host's cores (SetNumThreads).
-inline int num_threads = 1;
+namespace vllm_ms {
 
 // Elementwise kernels (norms, rotary, silu * up) split their rows over the threads from this many
 // values on (a 256-token step of a 512-wide model): waking the other thread costs more than a

@@ -15,7 +15,6 @@
 // the tile instruction's too), 8x the multiply-adds per cycle of vdpbf16ps.
 #pragma once
 
-#include <omp.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -242,9 +241,7 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
   const int64_t chunk_rows = (padded_rows / chunks + (padded_rows % chunks > 0) + 31) / 32 * 32;
   // x's rows in bfloat16 pairs, zero rows after M; split over the threads for a prefill's
   // megabytes only (a decode's rows take microseconds, less than waking the other thread).
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (parallel && M * K >= 16 * kParallelElements)
-  for (int64_t m = 0; m < padded_rows; ++m) {
+  parallel_for(padded_rows, [&](int64_t m) {
     bf16 *row = reinterpret_cast<bf16 *>(a + m * steps);
     if (m < M) {
       convert(x + m * K, row, K);
@@ -252,40 +249,44 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
     } else {
       std::fill(a + m * steps, a + (m + 1) * steps, 0u);
     }
-  }
-#pragma omp parallel num_threads(num_threads) if (parallel && chunks * panels > 1)
-  {
+  }, parallel && M * K >= 16 * kParallelElements);
+  // The (chunk, panel) pairs go one at a time to whichever thread is free; each thread sets up
+  // its own tiles.
+  std::atomic<int64_t> next{0};
+  auto work = [&](int, int) {
     configure_tiles();
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      for (int64_t p = 0; p < panels; ++p) {
-        const bf16 *panel = packed + p * steps * 2 * kPanel;
-        const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-        alignas(64) float tile[32 * kPanel];  // rows past M, or a panel narrower than 32
-        const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
-        for (int64_t i = chunk * chunk_rows; i < end; i += 32) {
-          const int64_t block_rows = std::min<int64_t>(32, end - i);  // 32 or 16
-          const int64_t rows = std::min(block_rows, M - i);
-          float *out = y + i * ldy + p * kPanel;
-          const bool direct = columns == kPanel && rows == block_rows;
-          float *c = direct ? out : tile;
-          const int64_t ldc = direct ? ldy : kPanel;
-          if (tiled > 0) {
-            if (block_rows == 32)
-              amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
-            else
-              amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc);
-          }
-          for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
-            block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
-                    a + (i + r) * steps + tiled, steps, panel + tiled * 2 * kPanel,
-                    steps - tiled, c + r * ldc, ldc, tiled > 0);
-          finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
+    for (int64_t item = next.fetch_add(1); item < chunks * panels; item = next.fetch_add(1)) {
+      const int64_t chunk = item / panels, p = item % panels;
+      const bf16 *panel = packed + p * steps * 2 * kPanel;
+      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+      alignas(64) float tile[32 * kPanel];  // rows past M, or a panel narrower than 32
+      const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
+      for (int64_t i = chunk * chunk_rows; i < end; i += 32) {
+        const int64_t block_rows = std::min<int64_t>(32, end - i);  // 32 or 16
+        const int64_t rows = std::min(block_rows, M - i);
+        float *out = y + i * ldy + p * kPanel;
+        const bool direct = columns == kPanel && rows == block_rows;
+        float *c = direct ? out : tile;
+        const int64_t ldc = direct ? ldy : kPanel;
+        if (tiled > 0) {
+          if (block_rows == 32)
+            amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
+          else
+            amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc);
         }
+        for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
+          block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
+                  a + (i + r) * steps + tiled, steps, panel + tiled * 2 * kPanel,
+                  steps - tiled, c + r * ldc, ldc, tiled > 0);
+        finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
       }
     }
     _tile_release();
-  }
+  };
+  if (parallel && chunks * panels > 1)
+    pool().run(work);
+  else
+    work(0, 1);
 }
 #endif
 
@@ -307,34 +308,30 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   // Equal chunks (a multiple of kRows each) rather than full ones and a short remainder.
   const int64_t chunk_rows = (M / chunks + (M % chunks > 0) + kRows - 1) / kRows * kRows;
   const int64_t block_rows = M <= kSmallRows ? M : kRows;
-#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(dynamic) \
-    if (parallel && chunks * panels > 1)
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    for (int64_t p = 0; p < panels; ++p) {
-      const W *panel = packed + p * steps * per_step * kPanel;
-      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-      float tile[kSmallRows * kPanel];  // the last panel's rows, when it is narrower than 32
-      const int64_t end = std::min(M, (chunk + 1) * chunk_rows);
-      for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(block_rows, end - i));
-        float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
-        const int64_t ldc = columns == kPanel ? ldy : kPanel;
-        for (int64_t s0 = 0; s0 < steps; s0 += depth)
-          block_n(rows, a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
-                  std::min(depth, steps - s0), c, ldc, s0 > 0);
-        finish_rows(c, ldc, rows, y + i * ldy + p * kPanel, ldy, columns,
-                    bias ? bias + p * kPanel : nullptr);
-      }
+  parallel_for(chunks * panels, [&](int64_t item) {
+    const int64_t chunk = item / panels, p = item % panels;
+    const W *panel = packed + p * steps * per_step * kPanel;
+    const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+    float tile[kSmallRows * kPanel];  // the last panel's rows, when it is narrower than 32
+    const int64_t end = std::min(M, (chunk + 1) * chunk_rows);
+    for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
+      const int rows = static_cast<int>(std::min<int64_t>(block_rows, end - i));
+      float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
+      const int64_t ldc = columns == kPanel ? ldy : kPanel;
+      for (int64_t s0 = 0; s0 < steps; s0 += depth)
+        block_n(rows, a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
+                std::min(depth, steps - s0), c, ldc, s0 > 0);
+      finish_rows(c, ldc, rows, y + i * ldy + p * kPanel, ldy, columns,
+                  bias ? bias + p * kPanel : nullptr);
     }
-  }
+  }, parallel && chunks * panels > 1, /*dynamic=*/true);
 }
 
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], 16 values at
 // a time (the scalar loop was not vectorised: 8% of a prefill step).
 template <typename T>
 void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (M * I >= kParallelElements)
-  for (int64_t m = 0; m < M; ++m) {
+  parallel_for(M, [&](int64_t m) {
     const float *gate = y + m * 2 * I, *up = gate + I;
     T *o = out + m * I;
     int64_t j = 0;
@@ -343,7 +340,7 @@ void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {
       store_lanes(o + j, g / (1.0f + fast_exp(-g)) * load_lanes(up + j));
     }
     for (; j < I; ++j) from_float(gate[j] / (1.0f + fast_exp(-gate[j])) * up[j], o + j);
-  }
+  }, M * I >= kParallelElements);
 }
 
 // The MoE steps shared by the float and W8A8 expert kernels. The copies c = t * K + k (token t,

@@ -40,10 +40,9 @@ int run(void **params, int64_t **shapes, int w13_dims) {
   std::vector<float> x_buffer;
   const float *xf = as_float(x, tokens * D, x_buffer);
   std::vector<float> copies(tokens * K * D, 0.0f);  // each copy's weighted expert output
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-  for (int64_t e = 0; e < experts; ++e) {
+  parallel_for(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
+    if (n == 0) return;
     thread_local std::vector<float> rows, gate_up, act, down;
     rows.resize(n * D);
     gate_up.resize(n * 2 * I);
@@ -57,7 +56,7 @@ int run(void **params, int64_t **shapes, int w13_dims) {
     matmul(act.data(), n, I, w2 + e * w2_size, static_cast<const float *>(nullptr), D,
            down.data(), D, false);
     weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
-  }
+  }, /*parallel=*/true, /*dynamic=*/true);
   sum_copies(copies.data(), tokens, K, D, out);
   return 0;
 }

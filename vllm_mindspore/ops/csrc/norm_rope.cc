@@ -19,9 +19,7 @@ using namespace vllm_ms;
 template <typename T>
 void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,
               int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, T *y, T *sum) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (rows * size >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel_for(rows, [&](int64_t r) {
     thread_local std::vector<float> buffer;
     buffer.resize(size);
     float *v = buffer.data();
@@ -37,7 +35,7 @@ void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, 
     const float scale = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
     const T *w = weight + (r % weight_rows) * size;
     for (int64_t i = 0; i < size; ++i) from_float(v[i] * scale * to_float(w[i]), y + r * size + i);
-  }
+  }, rows * size >= kParallelElements);
 }
 
 // Rotates the first `rotary` channels of each head of y [T, heads, D] by its token's position,
@@ -49,9 +47,7 @@ void rotary(const T *x, int64_t x_stride, const int32_t *positions, const float 
             int64_t tokens, int64_t heads, int64_t D, int64_t rotary, int64_t max_position,
             bool neox, T *y) {
   const int64_t half_rotary = rotary / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (tokens * heads * rotary >= kParallelElements)
-  for (int64_t t = 0; t < tokens; ++t) {
+  parallel_for(tokens, [&](int64_t t) {
     const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
     const float *cos = cos_sin + position * rotary, *sin = cos + half_rotary;
     for (int64_t h = 0; h < heads; ++h) {
@@ -65,7 +61,7 @@ void rotary(const T *x, int64_t x_stride, const int32_t *positions, const float 
       }
       if (rotary < D) std::memcpy(out + rotary, in + rotary, (D - rotary) * sizeof(T));
     }
-  }
+  }, tokens * heads * rotary >= kParallelElements);
 }
 
 bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }

@@ -19,7 +19,6 @@
 // seq_lens [B] (context + this step's tokens), q_lens [B] (this step's tokens; 0: unused row).
 // Tokens are packed request after request in the order of the rows.
 
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -323,17 +322,18 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
   // The cache writes are split over the threads too: a decode step's writes are a cache miss
   // each (the keys are transposed in a block, each slot's lines were evicted since the last
   // step); on one thread they were 8% of a 64-token decode call in `perf`.
-#pragma omp parallel num_threads(vllm_ms::num_threads) if (num_items > 1)
-  {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < s.num_tokens; ++t)
-      write_token(s, t, key, value, key_cache, value_cache, slot_mapping);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < num_items; ++n) {
-      const Item &item = items[n];
-      attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks, out);
-    }
-  }
+  parallel_for(
+      s.num_tokens,
+      [&](int64_t t) { write_token(s, t, key, value, key_cache, value_cache, slot_mapping); },
+      num_items > 1);
+  parallel_for(
+      num_items,
+      [&](int64_t n) {
+        const Item &item = items[n];
+        attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks,
+               out);
+      },
+      /*parallel=*/true, /*dynamic=*/true);
   return 0;
 }
 

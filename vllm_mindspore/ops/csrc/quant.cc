@@ -14,7 +14,6 @@
 // functions are compiled with fp-contract off whatever the library's flags, so the results equal
 // a numpy reference of the same steps bit for bit.
 
-#include <omp.h>
 
 #include <cmath>
 #include <cstdint>
@@ -119,8 +118,7 @@ void qblock_n(int rows, const uint8_t *u, int64_t ldu, const int8_t *panel, int6
 void int8_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed, const int32_t *corr,
                  int64_t N, int32_t *acc, int64_t ldacc, bool parallel = true) {
   const int64_t panels = (N + kQPanel - 1) / kQPanel;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel && panels > 1)
-  for (int64_t p = 0; p < panels; ++p) {
+  parallel_for(panels, [&](int64_t p) {
     const int8_t *panel = packed + p * K4 * kQPanel * 4;
     const int64_t columns = std::min<int64_t>(kQPanel, N - p * kQPanel);
     int32_t tile[kQRows * kQPanel];
@@ -134,7 +132,7 @@ void int8_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed, 
                                         static_cast<uint32_t>(corr[p * kQPanel + j]));
       }
     }
-  }
+  }, parallel);
 }
 
 // ---- dequantization ----------------------------------------------------------------------------
@@ -257,10 +255,9 @@ int moe_experts(void **params, int64_t **shapes) {
     }
   }
   std::vector<float> copies(tokens * K * D, 0.0f);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-  for (int64_t e = 0; e < experts; ++e) {
+  parallel_for(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
+    if (n == 0) return;
     thread_local std::vector<uint8_t> rows, act_u;
     thread_local std::vector<float> rows_scale, gate_up, act, act_scale, down;
     thread_local std::vector<int32_t> acc;
@@ -290,7 +287,7 @@ int moe_experts(void **params, int64_t **shapes) {
     int8_matmul(act_u.data(), n, I4, w2 + e * w2_size, corr2 + e * D, D, acc.data(), D, false);
     dequant_dynamic(acc.data(), n, D, s2 + e * D, act_scale.data(), nullptr, down.data());
     weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
-  }
+  }, /*parallel=*/true, /*dynamic=*/true);
   sum_copies(copies.data(), tokens, K, D, out);
   return 0;
 }
