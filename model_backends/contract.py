@@ -87,9 +87,9 @@ class ModelBackend(Protocol):
         """Read the HF checkpoint in `model_dir` (this rank's shards of it) and derive the
         compute layout; the model runs after this."""
 
-    def kv_cache_spec(self, block_size: int) -> dict:
-        """vLLM layer name -> its `KVCacheSpec` (what vLLM's block manager sizes blocks by), in
-        `precision.kv_cache`."""
+    def kv_cache_spec(self) -> dict:
+        """vLLM layer name -> its `KVCacheSpec` (what vLLM's block manager sizes blocks by), for
+        the block size and in the `precision.kv_cache` `build` was given."""
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache for `num_blocks` blocks (what vLLM granted), in

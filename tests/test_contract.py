@@ -77,7 +77,7 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
     hf_config = vllm_config.model_config.hf_text_config
     assert backend.hidden_size == hf_config.hidden_size
 
-    specs = backend.kv_cache_spec(BLOCK_SIZE)
+    specs = backend.kv_cache_spec()
     assert list(specs) == [f"model.layers.{i}.self_attn.attn"
                            for i in range(hf_config.num_hidden_layers)]
     weights = backend.weight_bytes()

@@ -195,7 +195,7 @@ def test_deepseek_kv_cache_is_the_latent(served):
     if MODELS[name][0] != "DeepseekV3ForCausalLM":
         pytest.skip("not an MLA model")
     latent = DEEPSEEK["kv_lora_rank"] + DEEPSEEK["qk_rope_head_dim"]
-    for spec in backend.kv_cache_spec(BLOCK_SIZE).values():
+    for spec in backend.kv_cache_spec().values():
         assert type(spec).__name__ == "MLAAttentionSpec"
         assert spec.page_size_bytes == BLOCK_SIZE * latent * 4
     for layer in backend.network.model.decoder.layers:

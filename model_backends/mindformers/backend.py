@@ -114,7 +114,6 @@ class MindFormersBackend:
     def __init__(self, network, vllm_config, precision: Precision, mla: bool, block_size: int):
         self.network = network
         self.precision = precision
-        self.dtype = precision.ms_compute
         self.mla = mla  # multi-latent attention: one latent cache per layer
         self.block_size = block_size
         self.ascend = kernel_device() == ASCEND  # mindformers' own Ascend ops, dynamic shapes
@@ -192,11 +191,12 @@ class MindFormersBackend:
         if not static_shapes:
             self.network.set_dynamic_inputs()
             self.logits_head.set_inputs(ms.Tensor(shape=[None, self.hidden_size],
-                                                  dtype=self.dtype))
-        self.prefill_mask = prefill_mask(self.dtype)
+                                                  dtype=self.precision.ms_compute))
+        self.prefill_mask = prefill_mask(self.precision.ms_compute)
         # PagedAttention's mask: 0 up to the token's position, then -10000 (MLA in bfloat16: 1,
         # the MLA kernel's convention), as mindformers' own vLLM integration builds it.
-        self.masked_value = 1.0 if self.mla and self.dtype == ms.bfloat16 else -10000.0
+        bfloat16 = self.precision.ms_compute == ms.bfloat16
+        self.masked_value = 1.0 if self.mla and bfloat16 else -10000.0
 
     # ---- weights ---------------------------------------------------------------------------
     def _checkpoint(self, files: list[str], slices: list[_CheckpointSlice]):
@@ -262,15 +262,16 @@ class MindFormersBackend:
                 layer.self_attention if self.mla else layer.self_attention.core_attention
                 for i, layer in enumerate(self.network.model.decoder.layers)}
 
-    def kv_cache_spec(self, block_size: int):
+    def kv_cache_spec(self):
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
         if self.mla:  # one latent row per token: [c, k_pe]
-            return {name: MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
+            return {name: MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1,
                                            head_size=self._latent_size(cell),
                                            dtype=self.precision.kv_cache)
                     for name, cell in self._attention_cells().items()}
-        return {name: FullAttentionSpec(block_size=block_size, num_kv_heads=cell.kv_head_num,
+        return {name: FullAttentionSpec(block_size=self.block_size,
+                                        num_kv_heads=cell.kv_head_num,
                                         head_size=cell.hidden_size_per_attention_head,
                                         dtype=self.precision.kv_cache)
                 for name, cell in self._attention_cells().items()}
@@ -328,7 +329,7 @@ class MindFormersBackend:
         num_keys = step.block_tables.shape[1] * self.block_size
         keys = ops.arange(0, num_keys, dtype=ms.int32).reshape(1, -1)
         masked = ops.gt(keys, step.positions.reshape(-1, 1)).astype(ms.float32)
-        return (masked * self.masked_value).astype(self.dtype)
+        return (masked * self.masked_value).astype(self.precision.ms_compute)
 
     def _ascend_arguments(self, step) -> tuple:
         """The mcore forward's arguments, positionally (its `set_dynamic_inputs` order):
@@ -372,7 +373,7 @@ class MindFormersBackend:
 
     def compile_logits(self, num_rows: int) -> None:
         self.logits_head.compile(ms.Tensor(np.zeros((num_rows, self.hidden_size), np.float32),
-                                           self.dtype))
+                                           self.precision.ms_compute))
 
     def logits(self, hidden: ms.Tensor) -> ms.Tensor:
         """hidden [N, hidden] -> [N, vocab] float32."""

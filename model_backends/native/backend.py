@@ -52,14 +52,14 @@ class StaticGraphs:
 class NativeBackend:
     name = NATIVE
 
-    def __init__(self, cell, implementation: str, vllm_config, precision: Precision,
-                 static_shapes: bool):
+    def __init__(self, cell, implementation: str, vllm_config, block_size: int,
+                 precision: Precision, static_shapes: bool):
         self.cell = cell
         self.implementation = implementation
         self.hidden_size = cell.config.hidden_size
         self.vllm_config = vllm_config
+        self.block_size = block_size
         self.precision = precision
-        self.dtype = precision.ms_compute
         self.static_shapes = static_shapes
         self.head = None  # the logits graph, made once the weights are in their compute layout
         # CPU: static graphs called directly; Ascend: one dynamic-shape graph each, via the Cell.
@@ -74,7 +74,8 @@ class NativeBackend:
         with set_current_vllm_config(vllm_config):
             cell = model_cls(vllm_config.model_config.hf_text_config, block_size,
                              precision.ms_compute)
-        return cls(cell, model_class.replace(":", "."), vllm_config, precision, static_shapes)
+        return cls(cell, model_class.replace(":", "."), vllm_config, block_size, precision,
+                   static_shapes)
 
     def load_weights(self, model_dir: str, quantization: str | None) -> None:
         # expert sharding reads the EP layout
@@ -88,10 +89,10 @@ class NativeBackend:
             self.head_graphs = StaticGraphs(self.head)
         else:
             self.cell.set_inputs(*self.cell.dynamic_inputs())
-            self.head.set_inputs(ms.Tensor(shape=[None, self.hidden_size], dtype=self.dtype))
+            self.head.set_inputs(ms.Tensor(shape=[None, self.hidden_size], dtype=self.precision.ms_compute))
 
-    def kv_cache_spec(self, block_size: int) -> dict:
-        return self.cell.kv_cache_spec(block_size, self.precision.kv_cache)
+    def kv_cache_spec(self) -> dict:
+        return self.cell.kv_cache_spec(self.block_size, self.precision.kv_cache)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.cell.allocate_kv_cache(num_blocks, self.precision.ms_kv_cache)
@@ -103,8 +104,8 @@ class NativeBackend:
         return (self.graphs or self.cell)(*step)
 
     def compile_logits(self, num_rows: int) -> None:
-        (self.head_graphs or self.head).compile(
-            ms.Tensor(np.zeros((num_rows, self.hidden_size), np.float32), self.dtype))
+        hidden = np.zeros((num_rows, self.hidden_size), np.float32)
+        (self.head_graphs or self.head).compile(ms.Tensor(hidden, self.precision.ms_compute))
 
     def logits(self, hidden: ms.Tensor) -> ms.Tensor:
         return (self.head_graphs or self.head)(hidden)

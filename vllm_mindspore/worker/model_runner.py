@@ -182,7 +182,7 @@ class MindSporeModelRunner:
                                    static_shapes=self.sizes.static)
 
     def get_kv_cache_spec(self):
-        return self.backend.kv_cache_spec(self.block_size)
+        return self.backend.kv_cache_spec()
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
         self.backend.allocate_kv_cache(kv_cache_config.num_blocks)

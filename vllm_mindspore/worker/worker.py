@@ -10,7 +10,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import (expert_parallel_across_dp,
                                                        init_communication, shutdown_communication)
-from vllm_mindspore.platform import ASCEND, DEVICE
+from vllm_mindspore.platform import ASCEND, DEVICE, precision_for
 
 logger = init_logger("vllm.vllm_mindspore.worker")
 
@@ -25,12 +25,12 @@ def _host_of(init_method: str) -> str:
     return "127.0.0.1"
 
 
-def init_mindspore(device_index: int, cpu_threads: int) -> None:
+def init_mindspore(device_index: int, cpu_threads: int, bfloat16_weights: bool) -> None:
     """MindSpore for this rank: graph mode; on Ascend the kernel-by-kernel runtime with
     infer_boost (which selects the fused inference kernels and feeds them the per-request
     lengths by graph-input name); on CPU this rank's share of the cores for MindSpore's op
     threads and the plugin's kernels (MindSpore's default, 25 op threads, oversubscribes small
-    hosts)."""
+    hosts), and AMX for the matmuls of bfloat16 weights where the CPU has it."""
     os.environ.setdefault("GLOG_v", "3")  # read once, at `import mindspore`
     import mindspore as ms
 
@@ -44,7 +44,7 @@ def init_mindspore(device_index: int, cpu_threads: int) -> None:
     from vllm_mindspore.ops import kernels
 
     kernels.set_num_threads(cpu_threads)
-    if kernels.use_amx(envs.VLLM_MS_CPU_AMX):
+    if kernels.use_amx(envs.VLLM_MS_CPU_AMX) and bfloat16_weights:
         logger.info("CPU kernels: bfloat16 matmuls on AMX tiles (VLLM_MS_CPU_AMX=0: AVX512-BF16)")
 
 
@@ -61,7 +61,8 @@ class MindSporeWorker(WorkerBase):
         ensure_model_parallel_initialized(parallel.tensor_parallel_size,
                                           parallel.pipeline_parallel_size)
         init_mindspore(parallel.get_local_gpu_index(self.local_rank),
-                       max(1, len(os.sched_getaffinity(0)) // parallel.local_world_size))
+                       max(1, len(os.sched_getaffinity(0)) // parallel.local_world_size),
+                       precision_for(self.model_config.dtype, DEVICE).bfloat16_weights)
         from vllm.distributed.parallel_state import get_tp_group, get_world_group
 
         tp = get_tp_group()

@@ -138,30 +138,30 @@ void block_n(int rows, const typename PanelFormat<W>::Step *a, int64_t lda, cons
 }
 
 // The rows of x as the panels of W read them: x itself, or (bfloat16 W) each row rounded to
-// bfloat16 in pairs of k, zero-padded to `steps` pairs.
+// bfloat16 in pairs of k, zero-padded to `steps` pairs, and zero rows from M to `padded_rows`
+// (whole AMX tiles). Converted on the threads for a prefill's megabytes only (a decode's rows
+// take microseconds, less than waking the other thread).
 template <typename W>
 const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t K, int64_t steps,
-                                              std::vector<uint32_t> &buffer) {
+                                              int64_t padded_rows, std::vector<uint32_t> &buffer,
+                                              bool parallel) {
   if constexpr (std::is_same_v<W, bf16>) {
-    buffer.resize(M * steps);
-    bf16 *rows = reinterpret_cast<bf16 *>(buffer.data());
-    for (int64_t m = 0; m < M; ++m) {
-      convert(x + m * K, rows + m * 2 * steps, K);
-      if (K % 2) rows[m * 2 * steps + K] = bf16{0};
-    }
-    return buffer.data();
+    buffer.resize(padded_rows * steps);
+    uint32_t *a = buffer.data();
+    parallel_for(padded_rows, [&](int64_t m) {
+      bf16 *row = reinterpret_cast<bf16 *>(a + m * steps);
+      if (m < M) {
+        convert(x + m * K, row, K);
+        if (K % 2) row[K] = bf16{0};
+      } else {
+        std::fill(a + m * steps, a + (m + 1) * steps, 0u);
+      }
+    }, parallel && M * K >= 16 * kParallelElements);
+    return a;
   } else {
-    return x;
+    return x;  // padded_rows == M: float panels take any number of rows
   }
 }
-
-// y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias)
-// Rows are taken kRowChunk at a time, each chunk against every panel, so a chunk of x stays in
-// the core's L2 while the weights stream past it (a prefill step's x, megabytes, would otherwise
-// be read from memory once per panel). The (chunk, panel) pairs are handed to the kernel threads
-// one at a time: a contiguous split gave one thread the short last chunk (128 rows: 96 against
-// 32, the step a third slower). `parallel` off: the caller already runs one matmul per thread.
-constexpr int64_t kRowChunk = 16 * kRows;
 
 // Rows [0, rows) of one panel of y (`out`, row stride ldy): copied from the block `c` they were
 // computed in when that is not y itself (a panel narrower than 32, rows past M), plus the bias.
@@ -174,6 +174,53 @@ void finish_rows(const float *c, int64_t ldc, int64_t rows, float *out, int64_t 
     if (bias != nullptr)
       for (int64_t j = 0; j < columns; ++j) row[j] += to_float(bias[j]);
   }
+}
+
+// Nothing to set up on a thread before its first block (AMX sets up its tiles).
+struct NoThreadState {};
+
+// y [M, N] (row stride ldy) computed in blocks of `block_rows` rows x one panel: compute(i, block,
+// rows, p, c, ldc) writes rows [i, i + block) of panel p to c (rows >= M, up to `padded_rows`,
+// are padding), which is y itself where the block is whole (no padding rows, 32 columns) and a
+// scratch tile otherwise; finish_rows then copies and adds the bias. Rows are taken in chunks of
+// about `chunk_target`, each chunk against every panel, so a chunk of x stays in the core's L2
+// while the weights stream past it (a prefill step's x, megabytes, would otherwise be read from
+// memory once per panel). The (chunk, panel) items go one at a time to whichever thread is free:
+// a contiguous split gave one thread the short last chunk (128 rows: 96 against 32, the step a
+// third slower). `parallel` off: the caller already runs one matmul per thread.
+template <typename ThreadState = NoThreadState, typename B, typename Compute>
+void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_t block_rows,
+                    int64_t N, const B *bias, float *y, int64_t ldy, bool parallel,
+                    const Compute &compute) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t chunks = (padded_rows + chunk_target - 1) / chunk_target;
+  // Equal chunks of whole blocks rather than full ones and a short remainder.
+  const int64_t chunk_rows = ((padded_rows + chunks - 1) / chunks + block_rows - 1) / block_rows *
+                             block_rows;
+  std::atomic<int64_t> next{0};
+  auto work = [&](int, int) {
+    ThreadState state;
+    (void)state;
+    for (int64_t item = next.fetch_add(1); item < chunks * panels; item = next.fetch_add(1)) {
+      const int64_t chunk = item / panels, p = item % panels;
+      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+      alignas(64) float tile[32 * kPanel];
+      const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
+      for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
+        const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
+        float *out = y + i * ldy + p * kPanel;
+        const bool direct = columns == kPanel && rows == block;
+        float *c = direct ? out : tile;
+        const int64_t ldc = direct ? ldy : kPanel;
+        compute(i, block, rows, p, c, ldc);
+        finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
+      }
+    }
+  };
+  if (parallel && chunks * panels > 1)
+    pool().run(work);
+  else
+    work(0, 1);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -225,74 +272,47 @@ void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs,
   }
 }
 
-// matmul (below) with bfloat16 panels on AMX: blocks of 32 (or 16) rows x one panel, the k past
-// the last whole tile step (K not a multiple of 32) by the vdpbf16ps blocks.
+// A thread's tile configuration, for as long as it computes blocks.
+struct TileState {
+  TileState() { configure_tiles(); }
+  ~TileState() { _tile_release(); }
+};
+
+// matmul (below) with bfloat16 panels on AMX: blocks of 32 (the last 16) rows x one panel, the
+// k past the last whole tile step (K not a multiple of 32) by the vdpbf16ps blocks.
 template <typename B>
 void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const B *bias,
                 int64_t N, float *y, int64_t ldy, bool parallel) {
   const int64_t steps = (K + 1) / 2, tiled = steps / kTilePairs * kTilePairs;
   const int64_t padded_rows = (M + 15) / 16 * 16;
   thread_local std::vector<uint32_t> step_buffer;
-  step_buffer.resize(padded_rows * steps);
-  uint32_t *a = step_buffer.data();
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t chunks = (padded_rows + kAmxRowChunk - 1) / kAmxRowChunk;
-  // Equal chunks of whole 32-row blocks (the last one may end in a 16-row block).
-  const int64_t chunk_rows = (padded_rows / chunks + (padded_rows % chunks > 0) + 31) / 32 * 32;
-  // x's rows in bfloat16 pairs, zero rows after M; split over the threads for a prefill's
-  // megabytes only (a decode's rows take microseconds, less than waking the other thread).
-  parallel_for(padded_rows, [&](int64_t m) {
-    bf16 *row = reinterpret_cast<bf16 *>(a + m * steps);
-    if (m < M) {
-      convert(x + m * K, row, K);
-      if (K % 2) row[K] = bf16{0};
-    } else {
-      std::fill(a + m * steps, a + (m + 1) * steps, 0u);
+  const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
+  for_each_block<TileState>(M, padded_rows, kAmxRowChunk, 32, N, bias, y, ldy, parallel,
+                            [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
+                                int64_t ldc) {
+    const bf16 *panel = packed + p * steps * 2 * kPanel;
+    if (tiled > 0) {
+      if (block == 32)
+        amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
+      else
+        amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc);
     }
-  }, parallel && M * K >= 16 * kParallelElements);
-  // The (chunk, panel) pairs go one at a time to whichever thread is free; each thread sets up
-  // its own tiles.
-  std::atomic<int64_t> next{0};
-  auto work = [&](int, int) {
-    configure_tiles();
-    for (int64_t item = next.fetch_add(1); item < chunks * panels; item = next.fetch_add(1)) {
-      const int64_t chunk = item / panels, p = item % panels;
-      const bf16 *panel = packed + p * steps * 2 * kPanel;
-      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-      alignas(64) float tile[32 * kPanel];  // rows past M, or a panel narrower than 32
-      const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
-      for (int64_t i = chunk * chunk_rows; i < end; i += 32) {
-        const int64_t block_rows = std::min<int64_t>(32, end - i);  // 32 or 16
-        const int64_t rows = std::min(block_rows, M - i);
-        float *out = y + i * ldy + p * kPanel;
-        const bool direct = columns == kPanel && rows == block_rows;
-        float *c = direct ? out : tile;
-        const int64_t ldc = direct ? ldy : kPanel;
-        if (tiled > 0) {
-          if (block_rows == 32)
-            amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
-          else
-            amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc);
-        }
-        for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
-          block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
-                  a + (i + r) * steps + tiled, steps, panel + tiled * 2 * kPanel,
-                  steps - tiled, c + r * ldc, ldc, tiled > 0);
-        finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
-      }
-    }
-    _tile_release();
-  };
-  if (parallel && chunks * panels > 1)
-    pool().run(work);
-  else
-    work(0, 1);
+    for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
+      block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
+              a + (i + r) * steps + tiled, steps, panel + tiled * 2 * kPanel, steps - tiled,
+              c + r * ldc, ldc, tiled > 0);
+  });
 }
 #endif
+
+// y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias), in blocks of kRows
+// rows (a decode step's M <= kSmallRows rows in one block) and chunks of about kRowChunk rows.
+constexpr int64_t kRowChunk = 16 * kRows;
 
 template <typename W, typename B>
 void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias, int64_t N,
             float *y, int64_t ldy, bool parallel = true) {
+  if (M == 0) return;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<W, bf16>) {
     if (M > kAmxMinRows && amx_wanted && amx_available())
@@ -302,29 +322,14 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
   thread_local std::vector<uint32_t> step_buffer;
-  const auto *a = as_steps<W>(x, M, K, steps, step_buffer);
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  // Equal chunks (a multiple of kRows each) rather than full ones and a short remainder.
-  const int64_t chunk_rows = (M / chunks + (M % chunks > 0) + kRows - 1) / kRows * kRows;
-  const int64_t block_rows = M <= kSmallRows ? M : kRows;
-  parallel_for(chunks * panels, [&](int64_t item) {
-    const int64_t chunk = item / panels, p = item % panels;
+  const auto *a = as_steps<W>(x, M, K, steps, M, step_buffer, parallel);
+  for_each_block(M, M, kRowChunk, M <= kSmallRows ? M : kRows, N, bias, y, ldy, parallel,
+                 [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
     const W *panel = packed + p * steps * per_step * kPanel;
-    const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-    float tile[kSmallRows * kPanel];  // the last panel's rows, when it is narrower than 32
-    const int64_t end = std::min(M, (chunk + 1) * chunk_rows);
-    for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
-      const int rows = static_cast<int>(std::min<int64_t>(block_rows, end - i));
-      float *c = columns == kPanel ? y + i * ldy + p * kPanel : tile;
-      const int64_t ldc = columns == kPanel ? ldy : kPanel;
-      for (int64_t s0 = 0; s0 < steps; s0 += depth)
-        block_n(rows, a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
-                std::min(depth, steps - s0), c, ldc, s0 > 0);
-      finish_rows(c, ldc, rows, y + i * ldy + p * kPanel, ldy, columns,
-                  bias ? bias + p * kPanel : nullptr);
-    }
-  }, parallel && chunks * panels > 1, /*dynamic=*/true);
+    for (int64_t s0 = 0; s0 < steps; s0 += depth)
+      block_n(static_cast<int>(block), a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
+              std::min(depth, steps - s0), c, ldc, s0 > 0);
+  });
 }
 
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], 16 values at
