@@ -226,6 +226,7 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr int64_t kTilePairs = 16;      // pairs of k (32 k) per tile step
 constexpr int64_t kAmxRowChunk = 256;   // rows of x per work item (its bfloat16 rows stay in L2)
+constexpr int64_t kTilePrefetch = 2;    // tile steps the prefetches run ahead of the loads
 
 // Tiles 0-3: c, rows 0-15 | 16-31 x columns 0-15 | 16-31; 4-5: 16 rows of x each; 6-7: the
 // panel's columns 0-15 | 16-31. Every tile 16 rows of 64 bytes (16 float32, 32 bfloat16 or
@@ -253,6 +254,16 @@ void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs,
   }
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
     const bf16 *b = panel + p * 2 * kPanel;
+    if (p + kTilePrefetch * kTilePairs < pairs) {
+      // Tile loads do not train the hardware prefetchers: ask for the x rows' line and the
+      // panel's 2 KB kTilePrefetch steps ahead (+15-33% on the model's shapes, standalone).
+      const int64_t ahead = kTilePrefetch * kTilePairs;
+      for (int r = 0; r < 16 * T; ++r)
+        _mm_prefetch(reinterpret_cast<const char *>(a + r * lda + p + ahead), _MM_HINT_T0);
+      const char *next = reinterpret_cast<const char *>(b + ahead * 2 * kPanel);
+      for (int line = 0; line < kTilePairs * 2 * kPanel * 2 / 64; ++line)
+        _mm_prefetch(next + line * 64, _MM_HINT_T0);
+    }
     _tile_loadd(6, b, 2 * kPanel * sizeof(bf16));
     _tile_loadd(7, b + kPanel, 2 * kPanel * sizeof(bf16));
     _tile_loadd(4, a + p, lda * sizeof(uint32_t));
