@@ -65,10 +65,13 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
 # (512 k), over the blocks of a chunk (64 rows: two 32-row blocks; 300: two chunks).
 @pytest.mark.parametrize("rows, in_features", [(1, 37), (8, 37), (9, 37), (300, 37), (9, 600),
                                                (64, 600), (300, 600)])
-@pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul"])
+# silu_and_mul with 70 outputs: the gate|up boundary inside a panel (a separate silu * up pass);
+# with 128 ("aligned"): at a panel boundary (silu * up in the matmul's blocks).
+@pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul", "silu_and_mul-aligned"])
 def test_packed_linear_matches_numpy(weight_dtype, rows, in_features, variant):
     g = np.random.default_rng(rows)
-    out_features = 70
+    variant, _, aligned = variant.partition("-")
+    out_features = 128 if aligned else 70
     act_dtype = "float16" if weight_dtype == "float16" else "float32"
     x = to_dtype(g.standard_normal((rows, in_features)), act_dtype)
     weight = to_dtype(g.standard_normal((out_features, in_features)) * 0.2, weight_dtype)
@@ -92,11 +95,12 @@ def test_packed_linear_matches_numpy(weight_dtype, rows, in_features, variant):
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", *WEIGHT_DTYPES[2:]], indirect=True)
-def test_moe_experts_match_numpy(weight_dtype):
+@pytest.mark.parametrize("inter", [40, 64])  # 64: silu * up in the matmul's blocks
+def test_moe_experts_match_numpy(weight_dtype, inter):
     """Each token's top-k experts: silu(x . gate) * (x . up) . down, weighted and summed; ids
     outside this rank's experts (-1, 4) contribute nothing."""
     g = np.random.default_rng(0)
-    tokens, hidden, inter, experts, top_k = 30, 48, 40, 4, 2
+    tokens, hidden, experts, top_k = 30, 48, 4, 2
     x = g.standard_normal((tokens, hidden)).astype(np.float32)
     gate_up = [to_dtype(g.standard_normal((2 * inter, hidden)) * 0.2, weight_dtype)
                for _ in range(experts)]

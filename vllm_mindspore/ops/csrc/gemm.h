@@ -179,6 +179,26 @@ void finish_rows(const float *c, int64_t ldc, int64_t rows, float *out, int64_t 
 // Nothing to set up on a thread before its first block (AMX sets up its tiles).
 struct NoThreadState {};
 
+// A block of the fused gate|up projection's output from the block computer of its weights
+// (gate panels, then up panels from `up_panels` on): silu(gate block) * up block, both computed
+// into L1, so the float32 gate|up rows are never written (92 MB for an 8192-token prefill of a
+// 1408-wide MLP, then read again by a separate silu * up pass).
+template <typename Compute>
+auto silu_and_mul_blocks(const Compute &compute, int64_t up_panels) {
+  return [&compute, up_panels](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
+                               int64_t ldc) {
+    alignas(64) float gate[32 * kPanel], up[32 * kPanel];
+    compute(i, block, rows, p, gate, kPanel);
+    compute(i, block, rows, p + up_panels, up, kPanel);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int j = 0; j < kPanel; j += kLanes) {
+        const lanes g = load_lanes(gate + r * kPanel + j);
+        store_lanes(c + r * ldc + j, g / (1.0f + fast_exp(-g)) * load_lanes(up + r * kPanel + j));
+      }
+    }
+  };
+}
+
 // y [M, N] (row stride ldy) computed in blocks of `block_rows` rows x one panel: compute(i, block,
 // rows, p, c, ldc) writes rows [i, i + block) of panel p to c (rows >= M, up to `padded_rows`,
 // are padding), which is y itself where the block is whole (no padding rows, 32 columns) and a
@@ -221,6 +241,20 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
     pool().run(work);
   else
     work(0, 1);
+}
+
+// for_each_block over W's panels, or (`gated`: W a gate|up projection, N = 2I, I a multiple of
+// 32) over y [M, I] = silu(gate) * up.
+template <typename ThreadState = NoThreadState, typename B, typename Compute>
+void for_each_output_block(bool gated, int64_t M, int64_t padded_rows, int64_t chunk_target,
+                           int64_t block_rows, int64_t N, const B *bias, float *y, int64_t ldy,
+                           bool parallel, const Compute &compute) {
+  if (gated)
+    for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, N / 2, bias, y, ldy,
+                                parallel, silu_and_mul_blocks(compute, N / 2 / kPanel));
+  else
+    for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, N, bias, y, ldy,
+                                parallel, compute);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -293,12 +327,13 @@ struct TileState {
 // k past the last whole tile step (K not a multiple of 32) by the vdpbf16ps blocks.
 template <typename B>
 void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const B *bias,
-                int64_t N, float *y, int64_t ldy, bool parallel) {
+                int64_t N, float *y, int64_t ldy, bool parallel, bool gated) {
   const int64_t steps = (K + 1) / 2, tiled = steps / kTilePairs * kTilePairs;
   const int64_t padded_rows = (M + 15) / 16 * 16;
   thread_local std::vector<uint32_t> step_buffer;
   const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
-  for_each_block<TileState>(M, padded_rows, kAmxRowChunk, 32, N, bias, y, ldy, parallel,
+  for_each_output_block<TileState>(gated, M, padded_rows, kAmxRowChunk, 32, N, bias, y, ldy,
+                                   parallel,
                             [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
                                 int64_t ldc) {
     const bf16 *panel = packed + p * steps * 2 * kPanel;
@@ -317,24 +352,26 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
 #endif
 
 // y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias), in blocks of kRows
-// rows (a decode step's M <= kSmallRows rows in one block) and chunks of about kRowChunk rows.
+// rows (a decode step's M <= kSmallRows rows in one block) and chunks of about kRowChunk rows;
+// `gated` (N = 2I, I a multiple of 32): y [M, I] = silu(gate) * up of the gate|up projection W.
 constexpr int64_t kRowChunk = 16 * kRows;
 
 template <typename W, typename B>
 void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias, int64_t N,
-            float *y, int64_t ldy, bool parallel = true) {
+            float *y, int64_t ldy, bool parallel = true, bool gated = false) {
   if (M == 0) return;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<W, bf16>) {
     if (M > kAmxMinRows && amx_wanted && amx_available())
-      return matmul_amx(x, M, K, packed, bias, N, y, ldy, parallel);
+      return matmul_amx(x, M, K, packed, bias, N, y, ldy, parallel, gated);
   }
 #endif
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
   thread_local std::vector<uint32_t> step_buffer;
   const auto *a = as_steps<W>(x, M, K, steps, M, step_buffer, parallel);
-  for_each_block(M, M, kRowChunk, M <= kSmallRows ? M : kRows, N, bias, y, ldy, parallel,
+  for_each_output_block(gated, M, M, kRowChunk, M <= kSmallRows ? M : kRows, N, bias, y, ldy,
+                        parallel,
                  [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
     const W *panel = packed + p * steps * per_step * kPanel;
     for (int64_t s0 = 0; s0 < steps; s0 += depth)

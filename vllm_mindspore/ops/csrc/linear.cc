@@ -36,18 +36,21 @@ int run(void **params, int *ndims, int64_t **shapes, bool has_bias, bool gated) 
   if (!packed_shape_fits<W>(ndims[1], shapes[1], K, N)) return 1;
   thread_local std::vector<float> x_buffer, y_buffer;
   const float *xf = as_float(x, M * K, x_buffer);
+  // silu(gate) * up in the matmul's blocks where the gate/up boundary is a panel boundary
+  const bool fused = gated && (N / 2) % kPanel == 0;
+  const int64_t columns = fused ? N / 2 : N;
   float *y;
-  if (std::is_same_v<T, float> && !gated) {
+  if (std::is_same_v<T, float> && (fused || !gated)) {
     y = reinterpret_cast<float *>(out);
   } else {
-    y_buffer.resize(M * N);
+    y_buffer.resize(M * columns);
     y = y_buffer.data();
   }
-  matmul(xf, M, K, packed, bias, N, y, N);
-  if (gated) {
+  matmul(xf, M, K, packed, bias, N, y, columns, true, fused);
+  if (gated && !fused) {
     silu_and_mul(y, M, N / 2, out);
   } else if constexpr (!std::is_same_v<T, float>) {
-    convert(y, out, M * N);
+    convert(y, out, M * columns);
   }
   return 0;
 }

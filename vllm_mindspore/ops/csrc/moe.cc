@@ -45,14 +45,19 @@ int run(void **params, int64_t **shapes, int w13_dims) {
     if (n == 0) return;
     thread_local std::vector<float> rows, gate_up, act, down;
     rows.resize(n * D);
-    gate_up.resize(n * 2 * I);
     act.resize(n * I);
     down.resize(n * D);
     for (int64_t j = 0; j < n; ++j)
       std::memcpy(rows.data() + j * D, xf + order[start[e] + j] / K * D, D * sizeof(float));
-    matmul(rows.data(), n, D, w13 + e * w13_size, static_cast<const float *>(nullptr), 2 * I,
-           gate_up.data(), 2 * I, false);
-    silu_and_mul(gate_up.data(), n, I, act.data());
+    if (I % kPanel == 0) {  // silu(gate) * up in the matmul's blocks
+      matmul(rows.data(), n, D, w13 + e * w13_size, static_cast<const float *>(nullptr), 2 * I,
+             act.data(), I, false, true);
+    } else {
+      gate_up.resize(n * 2 * I);
+      matmul(rows.data(), n, D, w13 + e * w13_size, static_cast<const float *>(nullptr), 2 * I,
+             gate_up.data(), 2 * I, false);
+      silu_and_mul(gate_up.data(), n, I, act.data());
+    }
     matmul(act.data(), n, I, w2 + e * w2_size, static_cast<const float *>(nullptr), D,
            down.data(), D, false);
     weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
