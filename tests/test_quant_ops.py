@@ -25,10 +25,10 @@ def rng(seed=0):
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (7, 61, 45), (13, 130, 70)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (7, 61, 45), (13, 130, 70), (200, 40, 70)])
 def test_int32_accumulator_is_exact(m, k, n):
     """q . W^T + quant_bias in int32 equals numpy's exact integer product, extremes included
-    (-128 * -128 sums; K not a multiple of 4, N not of 32)."""
+    (-128 * -128 sums; K not a multiple of 4, N not of 32; 200 rows: three row chunks)."""
     g = rng(m)
     q = g.integers(-128, 128, (m, k), dtype=np.int8)
     w = g.integers(-128, 128, (n, k), dtype=np.int8)
@@ -96,10 +96,10 @@ def reference_linear(arrays: QuantArrays, x):
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantized_linear_equals_the_reference(scheme, bias):
     """The whole linear (quantize, int8 products, dequantize, bias) equals the reference bit for
-    bit, for decode and prefill sizes."""
+    bit, for decode and prefill sizes (200 rows: three row chunks, a short last block)."""
     arrays = random_linear(scheme, 70, 96, seed=3, bias=bias)
     layer = QuantLinearMethod(arrays, ms.float32, False, "linear")
-    for m in (1, 5, 33):
+    for m in (1, 5, 33, 200):
         x = (rng(m).standard_normal((m, 96)) * 2).astype(np.float32)
         y = layer(tensor(x)).asnumpy()
         expected = reference_linear(arrays, x)
@@ -107,26 +107,36 @@ def test_quantized_linear_equals_the_reference(scheme, bias):
         assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+def reference_in(arrays: QuantArrays, x, dtype):
+    """The reference linear of activations in `dtype` (static W8A8: r and the offset in it too)."""
+    x = x.astype(dtype).astype(np.float32)
+    if arrays.scheme == "W8A8" and dtype == np.float16:
+        act = ref.activation_params(arrays.input_scale, arrays.input_offset, x.shape[1], "float16")
+        return ref.dequant_static(ref.int_matmul(ref.quantize_static(x, act), arrays.weight,
+                                                 arrays.quant_bias), arrays.deq_scale)
+    return reference_linear(arrays, x)
+
+
 @pytest.mark.parametrize("scheme", ["W8A8", "W8A8_DYNAMIC"])
-def test_quantized_gate_up_with_silu_and_float16(scheme):
-    arrays = random_linear(scheme, 64, 48, seed=4)
-    x = rng(5).standard_normal((4, 48)).astype(np.float32)
-    gate_up = reference_linear(arrays, x)
-    gate, up = np.split(gate_up.astype(np.float64), 2, -1)
-    expected = gate / (1 + np.exp(-gate)) * up
-    y = QuantLinearMethod(arrays, ms.float32, True, "gate_up")(tensor(x)).asnumpy()
-    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    # float16 activations: quantized from the float16 values, output rounded to float16.
-    x16 = x.astype(np.float16)
-    y16 = QuantLinearMethod(arrays, ms.float16, False, "fp16")(tensor(x16)).asnumpy()
-    if scheme == "W8A8":  # r and the offset in the activation dtype
-        act = ref.activation_params(arrays.input_scale, arrays.input_offset, 48, "float16")
-        q = ref.quantize_static(x16.astype(np.float32), act)
-        expected16 = ref.dequant_static(ref.int_matmul(q, arrays.weight, arrays.quant_bias),
-                                        arrays.deq_scale)
-    else:
-        expected16 = reference_linear(arrays, x16.astype(np.float32))
-    np.testing.assert_array_equal(y16, expected16.astype(np.float16))
+@pytest.mark.parametrize("outputs", [48, 64])
+def test_quantized_gate_up_with_silu_and_float16(scheme, outputs):
+    """gate|up with silu(gate) * up: in the matmul's blocks where gate and up meet at a panel
+    boundary (64 outputs), in a separate pass otherwise (48); float32 and float16 activations
+    (quantized from the float16 values, the output rounded to float16)."""
+    arrays = random_linear(scheme, outputs, 48, seed=4)
+    for m in (4, 40):
+        x = rng(m).standard_normal((m, 48)).astype(np.float32)
+        for dtype, rtol in ((np.float32, 1e-5), (np.float16, 2e-3)):
+            gate, up = np.split(reference_in(arrays, x, dtype).astype(np.float64), 2, -1)
+            expected = gate / (1 + np.exp(-gate)) * up
+            y = QuantLinearMethod(arrays, ms.float16 if dtype == np.float16 else ms.float32, True,
+                                  "gate_up")(tensor(x.astype(dtype))).asnumpy()
+            np.testing.assert_allclose(y.astype(np.float64), expected, rtol=rtol,
+                                       atol=rtol * np.abs(expected).max())
+            # without the silu: the dequantized gate|up itself, bit for bit
+            y = QuantLinearMethod(arrays, ms.float16 if dtype == np.float16 else ms.float32,
+                                  False, "plain")(tensor(x.astype(dtype))).asnumpy()
+            np.testing.assert_array_equal(y, reference_in(arrays, x, dtype).astype(dtype))
 
 
 def test_int64_deq_scale_holds_float32_bits():
@@ -135,11 +145,13 @@ def test_int64_deq_scale_holds_float32_bits():
     np.testing.assert_array_equal(ref.deq_scale_as_float(as_int64), deq)
 
 
-def test_moe_experts_match_the_reference():
-    """Routed experts with per-token dynamic W8A8: each copy's gate|up, silu(gate) * up, down,
-    weighted and summed; ids outside [0, E) (other ranks' experts) contribute nothing."""
+@pytest.mark.parametrize("inter", [24, 32])
+def test_moe_experts_match_the_reference(inter):
+    """Routed experts with per-token dynamic W8A8: each copy's gate|up, silu(gate) * up (in the
+    matmul's blocks for inter 32, a separate pass for 24), down, weighted and summed; ids outside
+    [0, E) (other ranks' experts) contribute nothing."""
     g = rng(6)
-    experts, d, inter, tokens, top_k = 4, 40, 24, 9, 2
+    experts, d, tokens, top_k = 4, 40, 9, 2
     gate_up = [random_linear("W8A8_DYNAMIC", 2 * inter, d, seed=10 + e) for e in range(experts)]
     down = [random_linear("W8A8_DYNAMIC", d, inter, seed=20 + e) for e in range(experts)]
     layer = QuantExperts(gate_up, down, ms.float32, "experts")

@@ -164,20 +164,27 @@ const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t
 }
 
 // Rows [0, rows) of one panel of y (`out`, row stride ldy): copied from the block `c` they were
-// computed in when that is not y itself (a panel narrower than 32, rows past M), plus the bias.
-template <typename B>
-void finish_rows(const float *c, int64_t ldc, int64_t rows, float *out, int64_t ldy,
-                 int64_t columns, const B *bias) {
+// computed in when that is not y itself (a panel narrower than 32, rows past M), plus the bias
+// (float y; the int8 matmul's exact int32 y has none).
+template <typename Y, typename B>
+void finish_rows(const Y *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy, int64_t columns,
+                 const B *bias) {
   for (int64_t r = 0; r < rows; ++r) {
-    float *row = out + r * ldy;
-    if (c != out) std::memcpy(row, c + r * ldc, columns * sizeof(float));
-    if (bias != nullptr)
-      for (int64_t j = 0; j < columns; ++j) row[j] += to_float(bias[j]);
+    Y *row = out + r * ldy;
+    if (c != out) std::memcpy(row, c + r * ldc, columns * sizeof(Y));
+    if constexpr (std::is_same_v<Y, float>) {
+      if (bias != nullptr)
+        for (int64_t j = 0; j < columns; ++j) row[j] += to_float(bias[j]);
+    }
   }
 }
 
 // Nothing to set up on a thread before its first block (AMX sets up its tiles).
 struct NoThreadState {};
+
+// silu(g) * u = g / (1 + exp(-g)) * u, 16 values at a time.
+inline lanes silu_times(lanes g, lanes u) { return g / (1.0f + fast_exp(-g)) * u; }
+inline float silu_times(float g, float u) { return g / (1.0f + fast_exp(-g)) * u; }
 
 // A block of the fused gate|up projection's output from the block computer of its weights
 // (gate panels, then up panels from `up_panels` on): silu(gate block) * up block, both computed
@@ -191,10 +198,9 @@ auto silu_and_mul_blocks(const Compute &compute, int64_t up_panels) {
     compute(i, block, rows, p, gate, kPanel);
     compute(i, block, rows, p + up_panels, up, kPanel);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int j = 0; j < kPanel; j += kLanes) {
-        const lanes g = load_lanes(gate + r * kPanel + j);
-        store_lanes(c + r * ldc + j, g / (1.0f + fast_exp(-g)) * load_lanes(up + r * kPanel + j));
-      }
+      for (int j = 0; j < kPanel; j += kLanes)
+        store_lanes(c + r * ldc + j,
+                    silu_times(load_lanes(gate + r * kPanel + j), load_lanes(up + r * kPanel + j)));
     }
   };
 }
@@ -208,9 +214,9 @@ auto silu_and_mul_blocks(const Compute &compute, int64_t up_panels) {
 // memory once per panel). The (chunk, panel) items go one at a time to whichever thread is free:
 // a contiguous split gave one thread the short last chunk (128 rows: 96 against 32, the step a
 // third slower). `parallel` off: the caller already runs one matmul per thread.
-template <typename ThreadState = NoThreadState, typename B, typename Compute>
+template <typename ThreadState = NoThreadState, typename Y, typename B, typename Compute>
 void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_t block_rows,
-                    int64_t N, const B *bias, float *y, int64_t ldy, bool parallel,
+                    int64_t N, const B *bias, Y *y, int64_t ldy, bool parallel,
                     const Compute &compute) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t chunks = (padded_rows + chunk_target - 1) / chunk_target;
@@ -224,13 +230,13 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
     for (int64_t item = next.fetch_add(1); item < chunks * panels; item = next.fetch_add(1)) {
       const int64_t chunk = item / panels, p = item % panels;
       const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-      alignas(64) float tile[32 * kPanel];
+      alignas(64) Y tile[32 * kPanel];
       const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
       for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
         const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
-        float *out = y + i * ldy + p * kPanel;
+        Y *out = y + i * ldy + p * kPanel;
         const bool direct = columns == kPanel && rows == block;
-        float *c = direct ? out : tile;
+        Y *c = direct ? out : tile;
         const int64_t ldc = direct ? ldy : kPanel;
         compute(i, block, rows, p, c, ldc);
         finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
@@ -388,11 +394,9 @@ void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {
     const float *gate = y + m * 2 * I, *up = gate + I;
     T *o = out + m * I;
     int64_t j = 0;
-    for (; j + kLanes <= I; j += kLanes) {
-      const lanes g = load_lanes(gate + j);
-      store_lanes(o + j, g / (1.0f + fast_exp(-g)) * load_lanes(up + j));
-    }
-    for (; j < I; ++j) from_float(gate[j] / (1.0f + fast_exp(-gate[j])) * up[j], o + j);
+    for (; j + kLanes <= I; j += kLanes)
+      store_lanes(o + j, silu_times(load_lanes(gate + j), load_lanes(up + j)));
+    for (; j < I; ++j) from_float(silu_times(gate[j], up[j]), o + j);
   }, M * I >= kParallelElements);
 }
 

@@ -114,48 +114,71 @@ void qblock_n(int rows, const uint8_t *u, int64_t ldu, const int8_t *panel, int6
   qblock<R>(u, ldu, panel, K4, c, ldc);
 }
 
-// acc [M, N] (row stride ldacc) = u [M, K4 * 4] . packed W + corr, exact int32 (wrapping).
+static_assert(kQPanel == kPanel, "the int8 panels go through gemm.h's block loop");
+
+// c [rows, 0:columns] (row stride ldc) = u rows [i, i + rows) . panel p of W + corr, the exact
+// int32 sums (wrapping), rows <= kQRows.
+inline void int8_block(const uint8_t *u, int64_t K4, const int8_t *packed, const int32_t *corr,
+                       int64_t i, int64_t rows, int64_t p, int64_t columns, int32_t *c,
+                       int64_t ldc) {
+  qblock_n(static_cast<int>(rows), u + i * K4 * 4, K4 * 4, packed + p * K4 * kQPanel * 4, K4, c,
+           ldc);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < columns; ++j)  // unsigned: wrapping int32 arithmetic
+      c[r * ldc + j] = static_cast<int32_t>(static_cast<uint32_t>(c[r * ldc + j]) +
+                                            static_cast<uint32_t>(corr[p * kQPanel + j]));
+}
+
+// acc [M, N] (row stride ldacc) = u [M, K4 * 4] . packed W + corr, exact int32.
 void int8_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed, const int32_t *corr,
-                 int64_t N, int32_t *acc, int64_t ldacc, bool parallel = true) {
-  const int64_t panels = (N + kQPanel - 1) / kQPanel;
-  parallel_for(panels, [&](int64_t p) {
-    const int8_t *panel = packed + p * K4 * kQPanel * 4;
+                 int64_t N, int32_t *acc, int64_t ldacc) {
+  for_each_block(M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), acc, ldacc, true,
+                 [&](int64_t i, int64_t, int64_t rows, int64_t p, int32_t *c, int64_t ldc) {
+    int8_block(u, K4, packed, corr, i, rows, p, std::min<int64_t>(kQPanel, N - p * kQPanel), c,
+               ldc);
+  });
+}
+
+// y [M, N] float32 (row stride ldy) = the int8 matmul dequantized block by block:
+// dequant(i, rows, n0, columns, acc, c, ldc) turns the int32 sums `acc` (row stride kQPanel) of
+// rows [i, i + rows) and columns [n0, n0 + columns) into c. `gated` (N = 2I, I a multiple of 32):
+// y [M, I] = silu(gate) * up of the dequantized gate|up, in the same blocks (gemm.h).
+template <typename Dequant>
+void quant_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed,
+                  const int32_t *corr, int64_t N, const Dequant &dequant, float *y, int64_t ldy,
+                  bool parallel, bool gated) {
+  for_each_output_block(gated, M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), y,
+                        ldy, parallel,
+                        [&](int64_t i, int64_t, int64_t rows, int64_t p, float *c, int64_t ldc) {
     const int64_t columns = std::min<int64_t>(kQPanel, N - p * kQPanel);
-    int32_t tile[kQRows * kQPanel];
-    for (int64_t i = 0; i < M; i += kQRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kQRows, M - i));
-      qblock_n(rows, u + i * K4 * 4, K4 * 4, panel, K4, tile, kQPanel);
-      for (int r = 0; r < rows; ++r) {
-        int32_t *out = acc + (i + r) * ldacc + p * kQPanel;
-        for (int64_t j = 0; j < columns; ++j)  // unsigned: wrapping int32 arithmetic
-          out[j] = static_cast<int32_t>(static_cast<uint32_t>(tile[r * kQPanel + j]) +
-                                        static_cast<uint32_t>(corr[p * kQPanel + j]));
-      }
-    }
-  }, parallel);
+    int32_t acc[kQRows * kQPanel];
+    int8_block(u, K4, packed, corr, i, rows, p, columns, acc, kQPanel);
+    dequant(i, rows, p * kQPanel, columns, acc, c, ldc);
+  });
 }
 
-// ---- dequantization ----------------------------------------------------------------------------
-// static: y = float(acc) * deq_scale (acc already holds + quant_bias), then + bias
-VLLM_MS_EXACT void dequant_static(const int32_t *acc, int64_t M, int64_t N, const float *deq,
-                                  const float *bias, float *y) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float v = static_cast<float>(acc[m * N + n]) * deq[n];
+// ---- dequantization (of one block: acc [rows, columns], row stride kQPanel -> c) ---------------
+// static: c = float(acc) * deq_scale (acc already holds + quant_bias), then + bias
+VLLM_MS_EXACT void dequant_static(const int32_t *acc, int64_t rows, int64_t columns,
+                                  const float *deq, const float *bias, float *c, int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < columns; ++n) {
+      float v = static_cast<float>(acc[r * kQPanel + n]) * deq[n];
       if (bias != nullptr) v = v + bias[n];
-      y[m * N + n] = v;
+      c[r * ldc + n] = v;
     }
 }
 
-// dynamic: y = (float(acc) * weight_scale) * token_scale, then + bias
-VLLM_MS_EXACT void dequant_dynamic(const int32_t *acc, int64_t M, int64_t N, const float *ws,
-                                   const float *ts, const float *bias, float *y) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float v = static_cast<float>(acc[m * N + n]) * ws[n];
-      v = v * ts[m];
+// dynamic: c = (float(acc) * weight_scale) * token_scale, then + bias
+VLLM_MS_EXACT void dequant_dynamic(const int32_t *acc, int64_t rows, int64_t columns,
+                                   const float *ws, const float *ts, const float *bias, float *c,
+                                   int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < columns; ++n) {
+      float v = static_cast<float>(acc[r * kQPanel + n]) * ws[n];
+      v = v * ts[r];
       if (bias != nullptr) v = v + bias[n];
-      y[m * N + n] = v;
+      c[r * ldc + n] = v;
     }
 }
 
@@ -181,7 +204,6 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<uint8_t> u;
   thread_local std::vector<float> token_scale, y;
-  thread_local std::vector<int32_t> acc;
   q.resize(K);
   u.resize(M * K4 * 4);
   token_scale.resize(M);
@@ -192,23 +214,31 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
       quantize_static_row(x + m * K, K, act, act + K, q.data());
     to_unsigned(q.data(), K, K4, u.data() + m * K4 * 4);
   }
-  acc.resize(M * N);
-  int8_matmul(u.data(), M, K4, packed, corr, N, acc.data(), N);
+  // (the pool's threads see their own thread_local vectors: the lambda takes the pointer)
+  const float *scale_of_row = token_scale.data();
+  auto dequant = [&](int64_t i, int64_t rows, int64_t n0, int64_t columns, const int32_t *acc,
+                     float *c, int64_t ldc) {
+    const float *b = bias != nullptr ? bias + n0 : nullptr;
+    if (dynamic)
+      dequant_dynamic(acc, rows, columns, colp + n0, scale_of_row + i, b, c, ldc);
+    else
+      dequant_static(acc, rows, columns, colp + n0, b, c, ldc);
+  };
+  // silu(gate) * up in the matmul's blocks where the gate/up boundary is a panel boundary
+  const bool fused = gated && (N / 2) % kQPanel == 0;
+  const int64_t columns = fused ? N / 2 : N;
   float *yf;
-  if (std::is_same_v<T, float> && !gated) {
+  if (std::is_same_v<T, float> && (fused || !gated)) {
     yf = reinterpret_cast<float *>(out);
   } else {
-    y.resize(M * N);
+    y.resize(M * columns);
     yf = y.data();
   }
-  if (dynamic)
-    dequant_dynamic(acc.data(), M, N, colp, token_scale.data(), bias, yf);
-  else
-    dequant_static(acc.data(), M, N, colp, bias, yf);
-  if (gated)
+  quant_matmul(u.data(), M, K4, packed, corr, N, dequant, yf, columns, true, fused);
+  if (gated && !fused)
     silu_and_mul(yf, M, N / 2, out);
   else if constexpr (!std::is_same_v<T, float>)
-    convert(yf, out, M * N);
+    convert(yf, out, M * columns);
   return 0;
 }
 
@@ -260,7 +290,6 @@ int moe_experts(void **params, int64_t **shapes) {
     if (n == 0) return;
     thread_local std::vector<uint8_t> rows, act_u;
     thread_local std::vector<float> rows_scale, gate_up, act, act_scale, down;
-    thread_local std::vector<int32_t> acc;
     thread_local std::vector<int8_t> q;
     rows.resize(n * D4 * 4);
     rows_scale.resize(n);
@@ -269,13 +298,21 @@ int moe_experts(void **params, int64_t **shapes) {
       std::memcpy(rows.data() + j * D4 * 4, ux.data() + t * D4 * 4, D4 * 4);
       rows_scale[j] = sx[t];
     }
-    acc.resize(n * std::max(N13, D));
-    gate_up.resize(n * N13);
-    int8_matmul(rows.data(), n, D4, w13 + e * w13_size, corr13 + e * N13, N13, acc.data(), N13,
-                false);
-    dequant_dynamic(acc.data(), n, N13, s13 + e * N13, rows_scale.data(), nullptr, gate_up.data());
+    auto dequant13 = [&](int64_t i, int64_t count, int64_t n0, int64_t columns,
+                         const int32_t *sums, float *c, int64_t ldc) {
+      dequant_dynamic(sums, count, columns, s13 + e * N13 + n0, rows_scale.data() + i, nullptr, c,
+                      ldc);
+    };
     act.resize(n * I);
-    silu_and_mul(gate_up.data(), n, I, act.data());
+    if (I % kQPanel == 0) {  // silu(gate) * up in the matmul's blocks
+      quant_matmul(rows.data(), n, D4, w13 + e * w13_size, corr13 + e * N13, N13, dequant13,
+                   act.data(), I, false, true);
+    } else {
+      gate_up.resize(n * N13);
+      quant_matmul(rows.data(), n, D4, w13 + e * w13_size, corr13 + e * N13, N13, dequant13,
+                   gate_up.data(), N13, false, false);
+      silu_and_mul(gate_up.data(), n, I, act.data());
+    }
     act_u.resize(n * I4 * 4);
     act_scale.resize(n);
     q.resize(I);
@@ -284,8 +321,13 @@ int moe_experts(void **params, int64_t **shapes) {
       to_unsigned(q.data(), I, I4, act_u.data() + j * I4 * 4);
     }
     down.resize(n * D);
-    int8_matmul(act_u.data(), n, I4, w2 + e * w2_size, corr2 + e * D, D, acc.data(), D, false);
-    dequant_dynamic(acc.data(), n, D, s2 + e * D, act_scale.data(), nullptr, down.data());
+    quant_matmul(act_u.data(), n, I4, w2 + e * w2_size, corr2 + e * D, D,
+                 [&](int64_t i, int64_t count, int64_t n0, int64_t columns, const int32_t *sums,
+                     float *c, int64_t ldc) {
+                   dequant_dynamic(sums, count, columns, s2 + e * D + n0, act_scale.data() + i,
+                                   nullptr, c, ldc);
+                 },
+                 down.data(), D, false, false);
     weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
   }, /*parallel=*/true, /*dynamic=*/true);
   sum_copies(copies.data(), tokens, K, D, out);
