@@ -41,9 +41,10 @@ struct Shape {
   float scale;
 };
 
-// A unit of work: one request's queries [q0, q1) for heads [h0, h1) of one KV head.
+// A unit of work: one request's queries [q0, q1) for KV heads [kv0, kv1) and, of each KV head's
+// group of query heads, heads [h0, h1) (offsets in the group).
 struct Item {
-  int64_t row, kv_head, h0, h1, q0, q1, first_token, context_start;
+  int64_t row, kv0, kv1, h0, h1, q0, q1, first_token, context_start;
 };
 
 // Token t's keys and values into its cache slot.
@@ -218,33 +219,41 @@ inline float softmax_numerators(float *p, int64_t n, int64_t width) {
 // One item in two passes over its blocks: every score first (p [rows, keys], keys the item's
 // blocks' slots), then an exact softmax per row, then the values. Each block is read once per
 // pass and the softmax runs over whole rows of vectors (a per-block online softmax spent more
-// time rescaling than the 16-key dot products it wrapped).
+// time rescaling than the 16-key dot products it wrapped). A block's visit covers the item's KV
+// heads, which lie next to each other in the cache: a decode's item reads each block as one
+// contiguous run (4 KB for two heads in bfloat16) rather than one short run per KV head's item.
 template <typename T, typename C>
 void attend(const Shape &s, const Item &item, const T *query, const C *key_cache,
             const C *value_cache, const int32_t *block_table, T *out) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads, kv_heads = item.kv1 - item.kv0;
+  // Rows of one KV head: r = (query i - q0) * heads + head (rows of one query are adjacent);
+  // KV head g's rows follow g - 1's.
   const int64_t heads = item.h1 - item.h0, rows = heads * (item.q1 - item.q0);
+  const int64_t all_rows = kv_heads * rows;
   const int64_t visible_max = item.context_start + item.q1;  // keys seen by the last query
   const int64_t num_blocks = (visible_max + bs - 1) / bs, width = num_blocks * bs;
   thread_local std::vector<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;  // k/v: MLA only
-  q_buf.resize(rows * D);
-  acc_buf.assign(rows * Dv, 0.0f);
-  l_buf.resize(rows);
-  p_buf.resize(rows * width);
+  q_buf.resize(all_rows * D);
+  acc_buf.assign(all_rows * Dv, 0.0f);
+  l_buf.resize(all_rows);
+  p_buf.resize(all_rows * width);
   float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
-  // Row r = (query i - q0) * heads + head: rows of one query are adjacent.
-  for (int64_t i = item.q0; i < item.q1; ++i) {
-    for (int64_t h = 0; h < heads; ++h) {
-      float *qr = q + ((i - item.q0) * heads + h) * D;
-      convert(query + (item.first_token + i) * s.query_stride + (item.h0 + h) * D, qr, D);
-      for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
+  auto head_of = [&](int64_t g, int64_t h) { return (item.kv0 + g) * group + item.h0 + h; };
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    for (int64_t i = item.q0; i < item.q1; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float *qr = q + (g * rows + (i - item.q0) * heads + h) * D;
+        convert(query + (item.first_token + i) * s.query_stride + head_of(g, h) * D, qr, D);
+        for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
+      }
     }
   }
-  auto key_block = [&](int64_t j) {
-    return key_cache + (block_table[j] * s.num_kv_heads + item.kv_head) * D * bs;
+  auto key_block = [&](int64_t j) {  // the item's first KV head's keys; the next head's follow
+    return key_cache + (block_table[j] * s.num_kv_heads + item.kv0) * D * bs;
   };
   auto value_block = [&](int64_t j) {
-    return value_cache + (block_table[j] * s.num_kv_heads + item.kv_head) * bs * Dv;
+    return value_cache + (block_table[j] * s.num_kv_heads + item.kv0) * bs * Dv;
   };
   // Queries before position j * bs see nothing of block j: rows before this one skip it.
   auto first_row = [&](int64_t j) {
@@ -252,39 +261,50 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   };
   auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
 
-  visit_prefetched(num_blocks, D * bs * sizeof(C), key_block, [&](int64_t j) {
-    for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-      block_scores_n(n, q + r0 * D, key_block(j), D, bs, p + r0 * width + j * bs, width);
+  visit_prefetched(num_blocks, kv_heads * D * bs * sizeof(C), key_block, [&](int64_t j) {
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const float *qg = q + g * rows * D;
+      float *pg = p + g * rows * width;
+      for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
+        const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+        block_scores_n(n, qg + r0 * D, key_block(j) + g * D * bs, D, bs, pg + r0 * width + j * bs,
+                       width);
+      }
     }
   });
-  for (int64_t r = 0; r < rows; ++r) l_buf[r] = softmax_numerators(p + r * width, visible(r), width);
-  auto add_values = [&](int64_t j, const auto *v) {  // v: block j's values [bs, Dv]
+  for (int64_t r = 0; r < all_rows; ++r)
+    l_buf[r] = softmax_numerators(p + r * width, visible(r % rows), width);
+  auto add_values = [&](int64_t j, int64_t g, const auto *v) {  // v: block j's values [bs, Dv]
+    const float *pg = p + g * rows * width;
+    float *ag = acc + g * rows * Dv;
     for (int64_t r0 = first_row(j); r0 < rows; r0 += kMaxRows) {
       const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
       // The last of these rows sees the most keys of this block.
       const int64_t keys = std::min<int64_t>(bs, visible(r0 + n - 1) - j * bs);
-      block_values_n(n, p + r0 * width + j * bs, width, v, keys, Dv, acc + r0 * Dv);
+      block_values_n(n, pg + r0 * width + j * bs, width, v, keys, Dv, ag + r0 * Dv);
     }
   };
-  if (s.latent) {  // values: each block's first Dv channels, transposed to [bs, Dv]
+  if (s.latent) {  // values: each block's first Dv channels, transposed to [bs, Dv] (one KV head)
     v_buf.resize(bs * Dv);
     visit_prefetched(num_blocks, Dv * bs * sizeof(C), key_block, [&](int64_t j) {
       const float *kf = as_float(key_block(j), D * bs, k_buf);
       for (int64_t k = 0; k < bs; ++k)
         for (int64_t d = 0; d < Dv; ++d) v_buf[k * Dv + d] = kf[d * bs + k];
-      add_values(j, v_buf.data());
+      add_values(j, 0, v_buf.data());
     });
   } else {
-    visit_prefetched(num_blocks, bs * Dv * sizeof(C), value_block,
-                     [&](int64_t j) { add_values(j, value_block(j)); });
+    visit_prefetched(num_blocks, kv_heads * bs * Dv * sizeof(C), value_block, [&](int64_t j) {
+      for (int64_t g = 0; g < kv_heads; ++g) add_values(j, g, value_block(j) + g * bs * Dv);
+    });
   }
-  for (int64_t i = item.q0; i < item.q1; ++i) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t r = (i - item.q0) * heads + h;
-      const float inv = 1.0f / l_buf[r];
-      T *o = out + ((item.first_token + i) * s.num_heads + item.h0 + h) * Dv;
-      for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    for (int64_t i = item.q0; i < item.q1; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t r = g * rows + (i - item.q0) * heads + h;
+        const float inv = 1.0f / l_buf[r];
+        T *o = out + ((item.first_token + i) * s.num_heads + head_of(g, h)) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
+      }
     }
   }
 }
@@ -308,11 +328,15 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
         seq_lens[row] > s.max_blocks * s.block_size) {
       return 1;  // inconsistent metadata: MindSpore raises instead of reading out of bounds
     }
-    for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
+    // A decode's KV heads in one item (up to 64 rows), a prefill chunk's one KV head an item.
+    const int64_t rows_per_kv_head = head_chunk * std::min(q_len, queries_per_item);
+    const int64_t kv_per_item = std::max<int64_t>(1, 64 / rows_per_kv_head);
+    for (int64_t kv0 = 0; kv0 < s.num_kv_heads; kv0 += kv_per_item)
       for (int64_t h0 = 0; h0 < group; h0 += head_chunk)
         for (int64_t q0 = 0; q0 < q_len; q0 += queries_per_item)
-          items.push_back({row, kvh, kvh * group + h0, kvh * group + std::min(group, h0 + head_chunk),
-                           q0, std::min(q_len, q0 + queries_per_item), token, context_start});
+          items.push_back({row, kv0, std::min(s.num_kv_heads, kv0 + kv_per_item), h0,
+                           std::min(group, h0 + head_chunk), q0,
+                           std::min(q_len, q0 + queries_per_item), token, context_start});
     token += q_len;
   }
   // Padding tokens after the last request: zero output.
