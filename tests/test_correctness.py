@@ -72,9 +72,18 @@ def test_greedy_matches_hf(make_llm, tiny_model_factory, name):
     assert len(outputs[-1].prompt_token_ids) >= LONG_PROMPT_MIN_TOKENS
 
 
-def test_chunked_prefill_and_prefix_caching_match_hf(make_llm, tiny_model_factory):
+def torch_threads(worker) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_chunked_prefill_and_prefix_caching_match_hf(make_llm, tiny_model_factory, monkeypatch):
     """Prompts longer than the 16-token step budget are prefilled in chunks; the second round
-    shares long prefixes with the first and is served partly from the prefix cache."""
+    shares long prefixes with the first and is served partly from the prefix cache. The worker
+    samples with one torch thread even when the host's OMP_NUM_THREADS asks for more."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
     model_dir = tiny_model_factory("Qwen2ForCausalLM")
     llm = make_llm(model_dir, max_num_batched_tokens=16, enable_prefix_caching=True,
                    max_num_seqs=8)
@@ -84,6 +93,7 @@ def test_chunked_prefill_and_prefix_caching_match_hf(make_llm, tiny_model_factor
     check_against_hf(llm, model_dir, first, "chunked")
     outputs = check_against_hf(llm, model_dir, second, "prefix-cached")
     assert outputs[0].num_cached_tokens >= 32, "the shared prefix was not served from the cache"
+    assert llm.collective_rpc(torch_threads) == [1]
 
 
 def test_prompt_logprobs_match_hf(make_llm, tiny_model_factory):

@@ -47,7 +47,9 @@ def init_mindspore(device_index: int, cpu_threads: int, bfloat16_weights: bool) 
     # torch only samples here (argmax / top-k over [reqs, vocab]). Its OpenMP workers spin for
     # milliseconds after each op (libgomp's default wait policy) and take a core from the next
     # step's kernels: 13% of a 64-token decode step's CPU time on 2 cores, whole runs -17% with one
-    # torch thread.
+    # torch thread. Unconditional, unlike vLLM's `set_torch_threads_for_runtime()` (which keeps
+    # a user's OMP_NUM_THREADS): OMP_NUM_THREADS is set for the host's OpenMP programs, and the
+    # model's kernels here use their own pool (`kernels.set_num_threads`), not OpenMP.
     torch.set_num_threads(1)
     if kernels.use_amx(envs.VLLM_MS_CPU_AMX) and bfloat16_weights:
         logger.info("CPU kernels: bfloat16 matmuls on AMX tiles (VLLM_MS_CPU_AMX=0: AVX512-BF16)")

@@ -309,6 +309,10 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   }
 }
 
+// Query rows (query heads x tokens) one work item scores against each block it converts: enough
+// to amortise the block's conversion, few enough that a decode batch spreads over the threads.
+constexpr int64_t kRowsPerItem = 64;
+
 template <typename T, typename C>
 int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cache,
         C *value_cache, const int32_t *slot_mapping, const int32_t *block_tables,
@@ -317,7 +321,7 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
   // Heads of one KV head share each converted block; MLA's many heads are split in chunks so
   // one request's decode still spreads over the threads.
   const int64_t head_chunk = std::min<int64_t>(group, 16);
-  const int64_t queries_per_item = std::max<int64_t>(1, 64 / head_chunk);
+  const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / head_chunk);
   std::vector<Item> items;
   int64_t token = 0;
   for (int64_t row = 0; row < s.num_rows; ++row) {
@@ -328,9 +332,9 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
         seq_lens[row] > s.max_blocks * s.block_size) {
       return 1;  // inconsistent metadata: MindSpore raises instead of reading out of bounds
     }
-    // A decode's KV heads in one item (up to 64 rows), a prefill chunk's one KV head an item.
+    // A decode's KV heads in one item, a prefill chunk's one KV head an item.
     const int64_t rows_per_kv_head = head_chunk * std::min(q_len, queries_per_item);
-    const int64_t kv_per_item = std::max<int64_t>(1, 64 / rows_per_kv_head);
+    const int64_t kv_per_item = std::max<int64_t>(1, kRowsPerItem / rows_per_kv_head);
     for (int64_t kv0 = 0; kv0 < s.num_kv_heads; kv0 += kv_per_item)
       for (int64_t h0 = 0; h0 < group; h0 += head_chunk)
         for (int64_t q0 = 0; q0 < q_len; q0 += queries_per_item)
