@@ -179,3 +179,30 @@ def test_kernel_random_sampling_follows_a_large_vocabulary():
     tokens = kernel_draws(probs, draws, seed=1).numpy()
     for event, p in ((tokens == 0, float(probs[0])), (tokens >= 100, float(probs[100:].sum()))):
         assert abs(event.mean() - p) < 4.5 * np.sqrt(p * (1 - p) / draws), (event.mean(), p)
+
+
+def test_kernel_greedy_argmax_picks_torch_argmax_tokens():
+    """The runner's greedy argmax (C++) against torch.argmax: ties (the first maximum wins, in
+    the 16-lane loop and in the tail), rows of -inf, NaN (the first NaN wins), vocabularies that
+    are not a multiple of 16, a row view with a stride, and rows enough for both kernel threads."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_mindspore.patches import SAMPLER_PATCHES, apply
+    from vllm_mindspore.worker.sampling import greedy_argmax
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, vocab in ((5, 1), (7, 15), (9, 16), (33, 8003), (130, 8000)):
+        logits = torch.randn(rows, vocab, generator=generator)
+        logits[0] = 1.0  # all equal: token 0
+        if vocab > 3:
+            logits[1, vocab - 1] = logits[1, 2] = 50.0  # tie between a lane and the tail
+            logits[2] = float("-inf")
+            logits[3, vocab // 2] = float("nan")
+            logits[3, vocab - 1] = float("nan")
+            logits[4, 1:] = logits[4, 0] = 9.0  # every lane's first value ties with token 0
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1)), (rows, vocab)
+    wide = torch.randn(6, 8100, generator=generator)
+    view = wide[:, :8000]  # rows 8100 floats apart
+    assert torch.equal(greedy_argmax(view), view.argmax(dim=-1))
+    apply(SAMPLER_PATCHES)
+    assert torch.equal(Sampler.greedy_sample(wide), wide.argmax(dim=-1))

@@ -415,14 +415,16 @@ class MindSporeModelRunner:
         for i in partial:
             sampled[i] = []
 
-        for i, token_ids in enumerate(sampled):
-            if not token_ids:
-                continue
-            end = batch.num_tokens_no_spec[i] + 1
-            batch.token_ids_cpu[i, end - 1] = token_ids[0]
-            batch.is_token_ids[i, end - 1] = True
-            batch.num_tokens_no_spec[i] = end
-            self.requests[batch.req_ids[i]].output_token_ids.append(token_ids[0])
+        rows = np.array([i for i, token_ids in enumerate(sampled) if token_ids], np.int64)
+        if len(rows):
+            tokens = np.array([sampled[i][0] for i in rows])
+            ends = batch.num_tokens_no_spec[rows]
+            batch.token_ids_cpu[rows, ends] = tokens
+            batch.is_token_ids[rows, ends] = True
+            batch.num_tokens_no_spec[rows] = ends + 1
+            req_ids = batch.req_ids  # a property that builds the list on every read
+            for i, token in zip(rows.tolist(), tokens.tolist()):
+                self.requests[req_ids[i]].output_token_ids.append(token)
 
         logprobs = sampler_output.logprobs_tensors
         output = ModelRunnerOutput(
