@@ -3,7 +3,7 @@
 Greedy: vLLM's sampler takes the argmax with its own C++ kernel on its CPU platform
 (`torch.ops._C.greedy_argmax`, absent from this vLLM build) and with torch's `argmax`
 elsewhere: 0.5 ms for 64 rows of an 8000-token vocabulary on the worker's one torch thread.
-`greedy_argmax` is the same choice (the first maximum; the first NaN) on the kernels' threads.
+`greedy_argmax` makes the same choice (the first maximum; the first NaN) 16 lanes at a time.
 
 Random: vLLM's sampling with its exponential noise drawn in C++.
 

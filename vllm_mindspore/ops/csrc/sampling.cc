@@ -2,8 +2,8 @@
 // probabilities, with token j's Exp(1) noise made from SplitMix64 of (row seed, j) on the fly —
 // one pass, one logarithm per token, no [rows, vocab] noise tensor. torch's exponential_() fills
 // 8 x 8000 values in ~1.2 ms on this project's CPUs, a tenth of a decode step. Greedy: the argmax
-// of each row, 16 lanes at a time on the kernels' threads (torch's argmax on the worker's one
-// torch thread: 0.5 ms for 64 x 8000 logits).
+// of each row, 16 lanes at a time (torch's argmax on the worker's one torch thread: 0.5 ms for
+// 64 x 8000 logits).
 
 #include <cmath>
 #include <algorithm>
