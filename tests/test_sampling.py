@@ -181,6 +181,7 @@ def test_kernel_random_sampling_follows_a_large_vocabulary():
         assert abs(event.mean() - p) < 4.5 * np.sqrt(p * (1 - p) / draws), (event.mean(), p)
 
 
+@pytest.mark.usefixtures("two_kernel_threads")
 def test_kernel_greedy_argmax_picks_torch_argmax_tokens():
     """The runner's greedy argmax (C++) against torch.argmax: ties (the first maximum wins, in
     the 16-lane loop and in the tail), rows of -inf, NaN (the first NaN wins), vocabularies that
