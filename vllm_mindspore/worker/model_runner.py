@@ -417,7 +417,7 @@ class MindSporeModelRunner:
 
         rows = np.array([i for i, token_ids in enumerate(sampled) if token_ids], np.int64)
         if len(rows):
-            tokens = np.array([sampled[i][0] for i in rows])
+            tokens = sampler_output.sampled_token_ids[rows, 0].numpy()
             ends = batch.num_tokens_no_spec[rows]
             batch.token_ids_cpu[rows, ends] = tokens
             batch.is_token_ids[rows, ends] = True

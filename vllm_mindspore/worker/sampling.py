@@ -26,16 +26,17 @@ from vllm_mindspore.ops.kernels import library_path
 _INT64 = torch.iinfo(torch.int64)
 
 
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_ARGUMENT_TYPES = {  # csrc/sampling.cc's functions
+    "ExponentialRaceArgmax": [_POINTER, _INT, _INT, _POINTER, _POINTER],
+    "GreedyArgmax": [_POINTER, _INT, _INT, _INT, _POINTER],
+}
+
+
 @functools.cache
 def _kernel(name: str):
     function = getattr(ctypes.CDLL(library_path()), name)
-    argument_types = {
-        "ExponentialRaceArgmax": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                  ctypes.c_void_p, ctypes.c_void_p],
-        "GreedyArgmax": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                         ctypes.c_void_p],
-    }
-    function.argtypes = argument_types[name]
+    function.argtypes = _ARGUMENT_TYPES[name]
     function.restype = None
     return function
 
