@@ -222,9 +222,15 @@ inline float softmax_numerators(float *p, int64_t n, int64_t width) {
 // time rescaling than the 16-key dot products it wrapped). A block's visit covers the item's KV
 // heads, which lie next to each other in the cache: a decode's item reads each block as one
 // contiguous run (4 KB for two heads in bfloat16) rather than one short run per KV head's item.
+// So that each pass finds its blocks on the way, the scores pass prefetches the values' blocks
+// and the values pass the keys' blocks of `next` (the next item this thread runs, if any): a
+// decode item computes for less time than its blocks take to arrive from memory, and asking
+// only at a pass's start left them in flight (decode of 64 requests, standalone: 20-25% less
+// time on one thread and on two).
 template <typename T, typename C>
 void attend(const Shape &s, const Item &item, const T *query, const C *key_cache,
-            const C *value_cache, const int32_t *block_table, T *out) {
+            const C *value_cache, const int32_t *block_table, T *out, const Item *next,
+            const int32_t *next_block_table) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads, kv_heads = item.kv1 - item.kv0;
   // Rows of one KV head: r = (query i - q0) * heads + head (rows of one query are adjacent);
@@ -255,6 +261,18 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   auto value_block = [&](int64_t j) {
     return value_cache + (block_table[j] * s.num_kv_heads + item.kv0) * bs * Dv;
   };
+  const int64_t value_bytes = kv_heads * bs * Dv * sizeof(C);
+  // The next item's key blocks, spread evenly over this item's values pass (visit j asks for
+  // its share up to block `next_blocks * (j + 1) / num_blocks`).
+  const int64_t next_blocks = next ? (next->context_start + next->q1 + bs - 1) / bs : 0;
+  int64_t next_prefetched = 0;
+  auto prefetch_next_keys = [&](int64_t j) {
+    const int64_t until = next_blocks * (j + 1) / num_blocks;
+    for (; next_prefetched < until; ++next_prefetched) {
+      prefetch(key_cache + (next_block_table[next_prefetched] * s.num_kv_heads + next->kv0) * D * bs,
+               (next->kv1 - next->kv0) * D * bs * sizeof(C));
+    }
+  };
   // Queries before position j * bs see nothing of block j: rows before this one skip it.
   auto first_row = [&](int64_t j) {
     return (std::max(item.q0, j * bs - item.context_start) - item.q0) * heads;
@@ -262,6 +280,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
 
   visit_prefetched(num_blocks, kv_heads * D * bs * sizeof(C), key_block, [&](int64_t j) {
+    if (!s.latent) prefetch(value_block(j), value_bytes);
     for (int64_t g = 0; g < kv_heads; ++g) {
       const float *qg = q + g * rows * D;
       float *pg = p + g * rows * width;
@@ -287,15 +306,17 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   if (s.latent) {  // values: each block's first Dv channels, transposed to [bs, Dv] (one KV head)
     v_buf.resize(bs * Dv);
     visit_prefetched(num_blocks, Dv * bs * sizeof(C), key_block, [&](int64_t j) {
+      prefetch_next_keys(j);
       const float *kf = as_float(key_block(j), D * bs, k_buf);
       for (int64_t k = 0; k < bs; ++k)
         for (int64_t d = 0; d < Dv; ++d) v_buf[k * Dv + d] = kf[d * bs + k];
       add_values(j, 0, v_buf.data());
     });
   } else {
-    visit_prefetched(num_blocks, kv_heads * bs * Dv * sizeof(C), value_block, [&](int64_t j) {
+    for (int64_t j = 0; j < num_blocks; ++j) {  // prefetched in the scores pass
+      prefetch_next_keys(j);
       for (int64_t g = 0; g < kv_heads; ++g) add_values(j, g, value_block(j) + g * bs * Dv);
-    });
+    }
   }
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t i = item.q0; i < item.q1; ++i) {
@@ -354,14 +375,12 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
       s.num_tokens,
       [&](int64_t t) { write_token(s, t, key, value, key_cache, value_cache, slot_mapping); },
       num_items > 1);
-  parallel_for(
-      num_items,
-      [&](int64_t n) {
-        const Item &item = items[n];
-        attend(s, item, query, key_cache, value_cache, block_tables + item.row * s.max_blocks,
-               out);
-      },
-      /*parallel=*/true, /*dynamic=*/true);
+  auto table_of = [&](const Item &item) { return block_tables + item.row * s.max_blocks; };
+  parallel_for_claiming_next(num_items, [&](int64_t n, int64_t next) {
+    const Item *after = next >= 0 ? &items[next] : nullptr;
+    attend(s, items[n], query, key_cache, value_cache, table_of(items[n]), out, after,
+           after ? table_of(*after) : nullptr);
+  });
   return 0;
 }
 

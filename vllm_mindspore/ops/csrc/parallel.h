@@ -114,6 +114,25 @@ inline Pool &pool() {
   return *current;
 }
 
+// body(i, next) for i in [0, n), one index at a time to whichever thread is free, each thread
+// claiming its next index before it runs the current one, so the body can prefetch for `next`
+// (-1: this thread has no next index).
+template <typename Body>
+void parallel_for_claiming_next(int64_t n, const Body &body) {
+  std::atomic<int64_t> claimed{0};
+  auto work = [&](int, int) {
+    for (int64_t i = claimed.fetch_add(1); i < n;) {
+      const int64_t next = claimed.fetch_add(1);
+      body(i, next < n ? next : -1);
+      i = next;
+    }
+  };
+  if (n > 1)
+    pool().run(work);
+  else
+    work(0, 1);
+}
+
 // body(i) for i in [0, n): over the pool's threads when `parallel` and n > 1, either in
 // contiguous ranges (static) or one index at a time to whichever thread is free (dynamic).
 template <typename Body>
