@@ -478,8 +478,8 @@ def compile_stats(log_path: str) -> dict:
     except OSError:
         return {}
     stats = {}
-    compiled = [float(x) for x in
-                re.findall(r"Compiled the model graph[^\n]*? in ([\d.]+) ?s", text)]
+    compiled = [float(x) for x in re.findall(
+        r"Compiled \d+ decoder graph[^\n]*? in ([\d.]+) s: \d+ graphs in all", text)]
     if compiled:
         stats["graph_compile_s"] = sum(compiled)
     stats["recompiles"] = len(re.findall(r"graph recompiled", text, flags=re.I))

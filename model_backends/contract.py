@@ -66,8 +66,8 @@ class StepTensors(NamedTuple):
 @runtime_checkable
 class ModelBackend(Protocol):
     """A model as the runner drives it. Life cycle: `build` -> `load_weights` ->
-    `kv_cache_spec` -> `allocate_kv_cache` -> `compile_step`/`compile_logits` for every shape
-    the steps will use -> `forward` + `logits` each step.
+    `kv_cache_spec` -> `allocate_kv_cache` -> `compile_step`/`compile_logits`/`compile_decode`
+    for every shape the steps will use -> `forward` + `logits`, or `decode`, each step.
 
     Static shapes (CPU): every call is padded to a size compiled in advance, one graph per size.
     Dynamic shapes (Ascend): one graph takes any size (and one more for `prefill_only` steps)."""
@@ -108,6 +108,14 @@ class ModelBackend(Protocol):
 
     def logits(self, hidden: "ms.Tensor") -> "ms.Tensor":
         """Rows [N, hidden_size] of `forward`'s output -> logits [N, vocab] float32."""
+
+    def compile_decode(self, step: StepTensors) -> None:
+        """Compile `decode` for `step`'s shapes without running it."""
+
+    def decode(self, step: StepTensors) -> "ms.Tensor":
+        """`logits(forward(step))` over all T rows -> logits [T, vocab] float32: the runner's
+        call for a step of decodes (one token a request, every token sampled). A backend runs
+        it as one graph where it can: one graph call a step instead of two."""
 
     def num_compiled_graphs(self) -> int:
         """Graphs compiled so far (a step that raises it recompiled: the runner warns)."""

@@ -92,8 +92,9 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
         backend.compile_step(tensors)
     rows = 16
     backend.compile_logits(rows)
+    backend.compile_decode(decode)
     compiled = backend.num_compiled_graphs()
-    assert compiled == 3
+    assert compiled == 4
 
     def logprobs(tensors: StepTensors, count: int):
         hidden = backend.forward(tensors)
@@ -106,9 +107,15 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
 
     ours_prefill = logprobs(prefill, sum(len(p) for p in PROMPTS))
     ours_decode = logprobs(decode, len(decode_ids))
+    # A step of decodes in one graph: the same logits as the decoder's graph then the head's.
+    decoded = torch.from_numpy(backend.decode(decode).asnumpy())
+    assert tuple(decoded.shape) == (len(decode_ids), hf_config.vocab_size)
+    torch.testing.assert_close(torch.log_softmax(decoded.double(), -1), ours_decode,
+                               atol=1e-5, rtol=0)
     assert backend.num_compiled_graphs() == compiled  # no step compiled another graph
     # The compiled shapes ran their graphs directly (StaticGraphs), as the Cell would have.
     assert len(backend.graphs.phases) == 2 and len(backend.head_graphs.phases) == 1
+    assert len(backend.decode_graphs.phases) == 1
     np.testing.assert_array_equal(backend.forward(decode).asnumpy(),
                                   backend.cell(*decode).asnumpy())
     # A shape compiled nowhere goes through the Cell: it compiles (and still computes).

@@ -379,5 +379,15 @@ class MindFormersBackend:
         """hidden [N, hidden] -> [N, vocab] float32."""
         return self.logits_head(hidden)
 
+    def compile_decode(self, step) -> None:
+        self.compile_step(step)
+        self.compile_logits(len(step.input_ids))
+
+    def decode(self, step) -> ms.Tensor:
+        """StepTensors (T decodes) -> logits [T, vocab]: the network's graph, then the head's
+        (two calls: the mcore forward is mindformers' own jit-wrapped function, not wrapped in
+        a graph of ours)."""
+        return self.logits(self.forward(step))
+
     def num_compiled_graphs(self) -> int:
         return len(self.network.compile_cache) + len(self.logits_head.compile_cache)

@@ -2,11 +2,13 @@
 `ModelBackend` contract.
 
 The model classes are graph-mode Cells taking `StepTensors`' fields as their `construct`
-arguments; their final norm + LM head run as a second, small graph (`logits_head()`).
+arguments; their final norm + LM head run as a second, small graph (`logits_head()`), or, for
+a step of decodes under static shapes, inside the decoder's graph (`DecodeStep`).
 """
 
 import mindspore as ms
 import numpy as np
+from mindspore import nn
 from vllm.config import set_current_vllm_config
 
 from model_backends import NATIVE, import_target
@@ -49,6 +51,21 @@ class StaticGraphs:
         return executor._exec_pip(self.cell, *run_args, phase=phase)
 
 
+class DecodeStep(nn.Cell):
+    """The decoder and the logits head as one graph: StepTensors' fields -> logits [T, vocab]
+    float32 of every token (a step of decodes samples each one)."""
+
+    def __init__(self, model: nn.Cell, head: nn.Cell):
+        super().__init__()
+        self.model = model
+        self.head = head
+
+    def construct(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length,
+                  q_seq_lens, prefill_only=False):
+        return self.head(self.model(input_ids, positions, slot_mapping, block_tables,
+                                    batch_valid_length, q_seq_lens, prefill_only))
+
+
 class NativeBackend:
     name = NATIVE
 
@@ -65,6 +82,7 @@ class NativeBackend:
         # CPU: static graphs called directly; Ascend: one dynamic-shape graph each, via the Cell.
         self.graphs = StaticGraphs(cell) if static_shapes else None
         self.head_graphs = None
+        self.decode_graphs = None  # static shapes: DecodeStep's graphs, made with the head
 
     @classmethod
     def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
@@ -87,6 +105,7 @@ class NativeBackend:
             self.head = self.cell.logits_head()
         if self.static_shapes:
             self.head_graphs = StaticGraphs(self.head)
+            self.decode_graphs = StaticGraphs(DecodeStep(self.cell, self.head))
         else:
             self.cell.set_inputs(*self.cell.dynamic_inputs())
             self.head.set_inputs(ms.Tensor(shape=[None, self.hidden_size], dtype=self.precision.ms_compute))
@@ -110,8 +129,18 @@ class NativeBackend:
     def logits(self, hidden: ms.Tensor) -> ms.Tensor:
         return (self.head_graphs or self.head)(hidden)
 
+    def compile_decode(self, step: StepTensors) -> None:
+        if self.decode_graphs:  # dynamic shapes: `decode` runs the two graphs compiled already
+            self.decode_graphs.compile(*step)
+
+    def decode(self, step: StepTensors) -> ms.Tensor:
+        if self.decode_graphs:
+            return self.decode_graphs(*step)
+        return self.logits(self.forward(step))
+
     def num_compiled_graphs(self) -> int:
-        return len(self.cell.compile_cache) + len(self.head.compile_cache)
+        decode = len(self.decode_graphs.cell.compile_cache) if self.decode_graphs else 0
+        return len(self.cell.compile_cache) + len(self.head.compile_cache) + decode
 
     def weight_bytes(self) -> int:
         return sum(p.nbytes for name, p in self.cell.parameters_and_names()

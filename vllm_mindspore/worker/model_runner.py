@@ -9,9 +9,11 @@ sampling's noise drawn by the plugin's C++ kernel, `worker/sampling.py`).
 
 The model is a `ModelBackend` (model_backends/contract.py) and runs as two MindSpore graphs: the
 decoder over the step's tokens (`StepTensors`) -> hidden states, and the logits head (final
-norm + LM head) over the rows that are sampled. On CPU both are compiled for a fixed set of sizes
-(`GraphSizes`: steps are padded to the next one) during warm-up, so no step compiles; on Ascend
-they are compiled once with dynamic shapes.
+norm + LM head) over the rows that are sampled. A step of decodes (one token a request, each
+sampled) runs both in one call (`ModelBackend.decode`): the head's rows are the decoder's.
+On CPU the graphs are compiled for a fixed set of sizes (`GraphSizes`: steps are padded to the
+next one) during warm-up, so no step compiles; on Ascend they are compiled once with dynamic
+shapes.
 """
 
 import bisect
@@ -92,6 +94,14 @@ class GraphSizes:
     @property
     def max_rows(self) -> int:
         return self.rows[-1]
+
+    @property
+    def decode_tokens(self) -> list[int]:
+        """Static: the token sizes a step of decodes (at most max_rows requests) is padded to,
+        a `decode` graph each. Dynamic: none (`decode` runs the two dynamic graphs in turn)."""
+        if not self.static:
+            return []
+        return self.tokens[:bisect.bisect_left(self.tokens, self.max_rows) + 1]
 
 
 class PromptRows(NamedTuple):
@@ -189,8 +199,9 @@ class MindSporeModelRunner:
         logger.info("KV cache: %d blocks of %d tokens", kv_cache_config.num_blocks, self.block_size)
 
     def warm_up(self) -> float:
-        """Compile every graph the steps will use: the decoder for each token count and the
-        logits head for each row count (static sizes), or once each (dynamic)."""
+        """Compile every graph the steps will use: the decoder for each token count, the
+        logits head for each row count and the decoder with the head for each decode step's
+        token count (static sizes), or once each (dynamic)."""
         start = time.perf_counter()
         token_sizes = self.sizes.tokens if self.sizes.static else [4]
         for num_tokens in token_sizes:
@@ -199,6 +210,8 @@ class MindSporeModelRunner:
             self.backend.compile_step(self._dummy_call(4)._replace(prefill_only=True).step_tensors())
         for num_rows in (self.sizes.rows if self.sizes.static else [2]):
             self.backend.compile_logits(num_rows)
+        for num_tokens in self.sizes.decode_tokens:
+            self.backend.compile_decode(self._dummy_call(num_tokens).step_tensors())
         compiled = time.perf_counter() - start
         # Ranks compile at their own pace; MindSpore's collectives time out long before a slow
         # peer's compile ends, so every rank waits here (vLLM's gloo world group) before the
@@ -209,10 +222,11 @@ class MindSporeModelRunner:
             torch.distributed.barrier(group=get_world_group().cpu_group)
         self._logits(self._forward([self._dummy_call(token_sizes[0])]), np.zeros(1, np.int64))
         self.num_graphs = self.backend.num_compiled_graphs()
-        logger.info("Compiled %d decoder graph(s) (tokens %s) and %d logits graph(s) in %.1f s: "
-                    "%d graphs in all", len(token_sizes),
+        logger.info("Compiled %d decoder graph(s) (tokens %s), %d logits graph(s) and %d decode "
+                    "graph(s) in %.1f s: %d graphs in all", len(token_sizes),
                     token_sizes if self.sizes.static else "dynamic",
-                    len(self.sizes.rows) if self.sizes.static else 1, compiled, self.num_graphs)
+                    len(self.sizes.rows) if self.sizes.static else 1,
+                    len(self.sizes.decode_tokens), compiled, self.num_graphs)
         return time.perf_counter() - start
 
     def _dummy_call(self, num_tokens: int) -> GraphCall:
@@ -371,6 +385,14 @@ class MindSporeModelRunner:
                                      group=get_dp_group().cpu_group)
         return max(int(most.item()), 1)
 
+    def _decodes_only(self, inputs: StepInputs) -> bool:
+        """A step of one graph call, whose logits rows are its tokens in order (one token a
+        request, no prompt logprobs), padded to a size `decode` was compiled for."""
+        return (len(inputs.calls) == 1 and not inputs.prompt_rows
+                and (not self.sizes.static
+                     or len(inputs.calls[0].input_ids) in self.sizes.decode_tokens)
+                and bool((inputs.num_scheduled == 1).all()))
+
     def execute_dummy_batch(self) -> None:
         """Step of an idle DP engine while others run: the same collectives, no real token."""
         if self.pad_across_dp:
@@ -385,7 +407,12 @@ class MindSporeModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         start = time.perf_counter()
         inputs = self._prepare_inputs(scheduler_output)
-        logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
+        if self._decodes_only(inputs):
+            call = inputs.calls[0]
+            logits = torch.from_numpy(
+                self.backend.decode(call.step_tensors()).asnumpy()[:call.count])
+        else:
+            logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
         if self.backend.num_compiled_graphs() != self.num_graphs:
             self.num_graphs = self.backend.num_compiled_graphs()
             logger.warning("Model graph recompiled (%d graphs now) for %d tokens",
