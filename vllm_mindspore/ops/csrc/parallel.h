@@ -116,13 +116,14 @@ inline Pool &pool() {
 
 // body(i, next) for i in [0, n), one index at a time to whichever thread is free, each thread
 // claiming its next index before it runs the current one, so the body can prefetch for `next`
-// (-1: this thread has no next index).
+// (-1: this thread has no next index). Thread t starts at index t, so a few indices still
+// spread over the threads (two decodes: one each).
 template <typename Body>
 void parallel_for_claiming_next(int64_t n, const Body &body) {
-  std::atomic<int64_t> claimed{0};
-  auto work = [&](int, int) {
-    for (int64_t i = claimed.fetch_add(1); i < n;) {
-      const int64_t next = claimed.fetch_add(1);
+  std::atomic<int64_t> claimed{0};  // indices claimed after each thread's first
+  auto work = [&](int t, int used) {
+    for (int64_t i = t; i < n;) {
+      const int64_t next = used + claimed.fetch_add(1);
       body(i, next < n ? next : -1);
       i = next;
     }
