@@ -132,3 +132,33 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
                                    atol=1e-4, rtol=0)
         torch.testing.assert_close(ours_decode[i], full[len(prompt)], atol=1e-4, rtol=0)
         start += len(prompt)
+
+
+def test_native_backend_compiles_a_dynamic_graph_for_each_prefill_only_value(
+        graph_mode, tiny_model_factory):
+    """Dynamic shapes (Ascend's mode; compiled here, not run: running them on CPU stops in
+    MindSpore's runtime, `The pointer[value] is null`): a step of first prefills and any other
+    step each compile one graph, which then takes any size. The decoder Cell used to take
+    `prefill_only` as a seventh input its `set_inputs` did not declare ("expected: 6 and input:
+    7"), and `set_inputs` pins a bool input to one value, so each value has a Cell of its own."""
+    import numpy as np
+    import torch
+    from vllm.config import ModelConfig, VllmConfig
+
+    from model_backends import build_backend
+    from vllm_mindspore.platform import CPU, precision_for
+
+    model_dir = tiny_model_factory("Qwen2ForCausalLM")
+    vllm_config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32",
+                                                      max_model_len=64))
+    backend = build_backend(vllm_config, BLOCK_SIZE, precision_for(torch.float32, CPU),
+                            static_shapes=False)
+    backend.allocate_kv_cache(num_blocks=4)
+    block_tables = np.array([[0, 1], [2, 3]], np.int32)
+    prefill = step(PROMPTS, [0, 0], block_tables, num_tokens=12)
+    decode = step([[11], [400]], [len(p) for p in PROMPTS], block_tables, num_tokens=2)
+    for tensors in (prefill._replace(prefill_only=True), prefill, decode):
+        backend.compile_step(tensors)
+    backend.compile_decode(decode)  # nothing more: `decode` runs the two graphs in turn
+    backend.compile_logits(3)
+    assert backend.num_compiled_graphs() == 3

@@ -66,6 +66,23 @@ class DecodeStep(nn.Cell):
                                     batch_valid_length, q_seq_lens, prefill_only))
 
 
+class FixedPrefillOnly(nn.Cell):
+    """Dynamic shapes: the decoder with `prefill_only` fixed, its six tensors the graph's inputs
+    (same names). MindSpore's `set_inputs` pins a bool input to the value it was given, so each
+    value is a Cell of its own: one dynamic-shape graph for steps of first prefills, one for
+    the rest."""
+
+    def __init__(self, model: nn.Cell, prefill_only: bool):
+        super().__init__()
+        self.model = model
+        self.prefill_only = prefill_only
+
+    def construct(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length,
+                  q_seq_lens):
+        return self.model(input_ids, positions, slot_mapping, block_tables, batch_valid_length,
+                          q_seq_lens, self.prefill_only)
+
+
 class NativeBackend:
     name = NATIVE
 
@@ -79,8 +96,10 @@ class NativeBackend:
         self.precision = precision
         self.static_shapes = static_shapes
         self.head = None  # the logits graph, made once the weights are in their compute layout
-        # CPU: static graphs called directly; Ascend: one dynamic-shape graph each, via the Cell.
+        # CPU: static graphs called directly; Ascend: one dynamic-shape graph for each
+        # `prefill_only` value (FixedPrefillOnly, made with the head), via the Cells.
         self.graphs = StaticGraphs(cell) if static_shapes else None
+        self.dynamic_steps: dict[bool, FixedPrefillOnly] = {}
         self.head_graphs = None
         self.decode_graphs = None  # static shapes: DecodeStep's graphs, made with the head
 
@@ -107,7 +126,9 @@ class NativeBackend:
             self.head_graphs = StaticGraphs(self.head)
             self.decode_graphs = StaticGraphs(DecodeStep(self.cell, self.head))
         else:
-            self.cell.set_inputs(*self.cell.dynamic_inputs())
+            self.dynamic_steps = {flag: FixedPrefillOnly(self.cell, flag) for flag in (False, True)}
+            for dynamic in self.dynamic_steps.values():
+                dynamic.set_inputs(*self.cell.dynamic_inputs())
             self.head.set_inputs(ms.Tensor(shape=[None, self.hidden_size], dtype=self.precision.ms_compute))
 
     def kv_cache_spec(self) -> dict:
@@ -117,10 +138,15 @@ class NativeBackend:
         self.cell.allocate_kv_cache(num_blocks, self.precision.ms_kv_cache)
 
     def compile_step(self, step: StepTensors) -> None:
-        (self.graphs or self.cell).compile(*step)
+        if self.graphs:
+            self.graphs.compile(*step)
+        else:
+            self.dynamic_steps[step.prefill_only].compile(*step[:-1])
 
     def forward(self, step: StepTensors) -> ms.Tensor:
-        return (self.graphs or self.cell)(*step)
+        if self.graphs:
+            return self.graphs(*step)
+        return self.dynamic_steps[step.prefill_only](*step[:-1])
 
     def compile_logits(self, num_rows: int) -> None:
         hidden = np.zeros((num_rows, self.hidden_size), np.float32)
@@ -139,8 +165,10 @@ class NativeBackend:
         return self.logits(self.forward(step))
 
     def num_compiled_graphs(self) -> int:
-        decode = len(self.decode_graphs.cell.compile_cache) if self.decode_graphs else 0
-        return len(self.cell.compile_cache) + len(self.head.compile_cache) + decode
+        cells = [self.cell, self.head, *self.dynamic_steps.values()]
+        if self.decode_graphs:
+            cells.append(self.decode_graphs.cell)
+        return sum(len(cell.compile_cache) for cell in cells)
 
     def weight_bytes(self) -> int:
         return sum(p.nbytes for name, p in self.cell.parameters_and_names()
