@@ -100,6 +100,19 @@ inline void store_lanes(bf16 *p, lanes v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
+inline float horizontal_sum(lanes v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Asks for the cache lines of [start, start + bytes) into L2 (asking for L1 evicted lines still
+// in use and measured slower).
+inline void prefetch(const void *start, int64_t bytes) {
+  const char *p = static_cast<const char *>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
 // dst[0:n] = src[0:n], float16 / bfloat16 <-> float32 16 lanes at a time (one value at a time made
 // a float16 batch step slower than a float32 one).
 template <typename S, typename D>

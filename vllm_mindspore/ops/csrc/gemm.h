@@ -179,9 +179,6 @@ void finish_rows(const Y *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy, int
   }
 }
 
-// Nothing to set up on a thread before its first block (AMX sets up its tiles).
-struct NoThreadState {};
-
 // silu(g) * u = g / (1 + exp(-g)) * u, 16 values at a time.
 inline lanes silu_times(lanes g, lanes u) { return g / (1.0f + fast_exp(-g)) * u; }
 inline float silu_times(float g, float u) { return g / (1.0f + fast_exp(-g)) * u; }
@@ -205,6 +202,22 @@ auto silu_and_mul_blocks(const Compute &compute, int64_t up_panels) {
   };
 }
 
+// Where the packed weights' panels lie: panel p at base + p * bytes; `paired`: panel
+// p + paired is read with it (the up panel of a gate panel).
+struct Panels {
+  const void *base;
+  int64_t bytes, paired = 0;
+
+  // Share `part` of `parts` of panel p's bytes (and of its pair's) into L2.
+  void prefetch_part(int64_t p, int64_t part, int64_t parts) const {
+    const int64_t from = bytes * part / parts / 64 * 64, to = bytes * (part + 1) / parts;
+    prefetch(at(p) + from, to - from);
+    if (paired != 0) prefetch(at(p + paired) + from, to - from);
+  }
+
+  const char *at(int64_t p) const { return static_cast<const char *>(base) + p * bytes; }
+};
+
 // y [M, N] (row stride ldy) computed in blocks of `block_rows` rows x one panel: compute(i, block,
 // rows, p, c, ldc) writes rows [i, i + block) of panel p to c (rows >= M, up to `padded_rows`,
 // are padding), which is y itself where the block is whole (no padding rows, 32 columns) and a
@@ -213,40 +226,37 @@ auto silu_and_mul_blocks(const Compute &compute, int64_t up_panels) {
 // while the weights stream past it (a prefill step's x, megabytes, would otherwise be read from
 // memory once per panel). The (chunk, panel) items go one at a time to whichever thread is free:
 // a contiguous split gave one thread the short last chunk (128 rows: 96 against 32, the step a
-// third slower). `parallel` off: the caller already runs one matmul per thread.
+// third slower). Each block of an item asks for its share of the panel of the thread's next
+// item: a panel is a new stream of tens of kilobytes the hardware prefetchers reach only after
+// its first misses, at each 4 KB page. `parallel` off: the caller already runs one matmul per
+// thread.
 template <typename ThreadState = NoThreadState, typename Y, typename B, typename Compute>
 void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_t block_rows,
                     int64_t N, const B *bias, Y *y, int64_t ldy, bool parallel,
-                    const Compute &compute) {
+                    const Panels &weights, const Compute &compute) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t chunks = (padded_rows + chunk_target - 1) / chunk_target;
   // Equal chunks of whole blocks rather than full ones and a short remainder.
   const int64_t chunk_rows = ((padded_rows + chunks - 1) / chunks + block_rows - 1) / block_rows *
                              block_rows;
-  std::atomic<int64_t> next{0};
-  auto work = [&](int, int) {
-    ThreadState state;
-    (void)state;
-    for (int64_t item = next.fetch_add(1); item < chunks * panels; item = next.fetch_add(1)) {
-      const int64_t chunk = item / panels, p = item % panels;
-      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
-      alignas(64) Y tile[32 * kPanel];
-      const int64_t end = std::min(padded_rows, (chunk + 1) * chunk_rows);
-      for (int64_t i = chunk * chunk_rows; i < end; i += block_rows) {
-        const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
-        Y *out = y + i * ldy + p * kPanel;
-        const bool direct = columns == kPanel && rows == block;
-        Y *c = direct ? out : tile;
-        const int64_t ldc = direct ? ldy : kPanel;
-        compute(i, block, rows, p, c, ldc);
-        finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
-      }
+  parallel_for_claiming_next<ThreadState>(chunks * panels, [&](int64_t item, int64_t next) {
+    const int64_t chunk = item / panels, p = item % panels;
+    const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+    const int64_t next_panel = next >= 0 && next % panels != p ? next % panels : -1;
+    alignas(64) Y tile[32 * kPanel];
+    const int64_t begin = chunk * chunk_rows, end = std::min(padded_rows, begin + chunk_rows);
+    const int64_t blocks = (end - begin + block_rows - 1) / block_rows;
+    for (int64_t i = begin; i < end; i += block_rows) {
+      if (next_panel >= 0) weights.prefetch_part(next_panel, (i - begin) / block_rows, blocks);
+      const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
+      Y *out = y + i * ldy + p * kPanel;
+      const bool direct = columns == kPanel && rows == block;
+      Y *c = direct ? out : tile;
+      const int64_t ldc = direct ? ldy : kPanel;
+      compute(i, block, rows, p, c, ldc);
+      finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
     }
-  };
-  if (parallel && chunks * panels > 1)
-    pool().run(work);
-  else
-    work(0, 1);
+  }, parallel);
 }
 
 // for_each_block over W's panels, or (`gated`: W a gate|up projection, N = 2I, I a multiple of
@@ -254,13 +264,15 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
 template <typename ThreadState = NoThreadState, typename B, typename Compute>
 void for_each_output_block(bool gated, int64_t M, int64_t padded_rows, int64_t chunk_target,
                            int64_t block_rows, int64_t N, const B *bias, float *y, int64_t ldy,
-                           bool parallel, const Compute &compute) {
-  if (gated)
+                           bool parallel, Panels weights, const Compute &compute) {
+  if (gated) {
+    weights.paired = N / 2 / kPanel;
     for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, N / 2, bias, y, ldy,
-                                parallel, silu_and_mul_blocks(compute, N / 2 / kPanel));
-  else
+                                parallel, weights, silu_and_mul_blocks(compute, weights.paired));
+  } else {
     for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, N, bias, y, ldy,
-                                parallel, compute);
+                                parallel, weights, compute);
+  }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -338,8 +350,9 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
   const int64_t padded_rows = (M + 15) / 16 * 16;
   thread_local std::vector<uint32_t> step_buffer;
   const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
+  const Panels panels{packed, steps * 2 * kPanel * static_cast<int64_t>(sizeof(bf16))};
   for_each_output_block<TileState>(gated, M, padded_rows, kAmxRowChunk, 32, N, bias, y, ldy,
-                                   parallel,
+                                   parallel, panels,
                             [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
                                 int64_t ldc) {
     const bf16 *panel = packed + p * steps * 2 * kPanel;
@@ -376,8 +389,9 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
   thread_local std::vector<uint32_t> step_buffer;
   const auto *a = as_steps<W>(x, M, K, steps, M, step_buffer, parallel);
+  const Panels panels{packed, steps * per_step * kPanel * static_cast<int64_t>(sizeof(W))};
   for_each_output_block(gated, M, M, kRowChunk, M <= kSmallRows ? M : kRows, N, bias, y, ldy,
-                        parallel,
+                        parallel, panels,
                  [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
     const W *panel = packed + p * steps * per_step * kPanel;
     for (int64_t s0 = 0; s0 < steps; s0 += depth)

@@ -16,25 +16,41 @@ using namespace vllm_ms;
 // y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight[r % weight_rows], in float32, for rows of
 // `size` values; rows_per_token rows of y per token, read from the start of the token's row of
 // x (token stride `x_stride`). With a residual: x + residual is normalised and also returned.
+// 16 lanes at a time: the scalar sum of squares was a chain of dependent adds the compiler may
+// not reorder (3% of a prefill step, 8 x 128 tokens).
 template <typename T>
 void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,
               int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, T *y, T *sum) {
   parallel_for(rows, [&](int64_t r) {
     thread_local std::vector<float> buffer;
-    buffer.resize(size);
-    float *v = buffer.data();
     const T *xr = x + (r / rows_per_token) * x_stride + (r % rows_per_token) * size;
-    float squares = 0.0f;
-    for (int64_t i = 0; i < size; ++i) {
-      v[i] = to_float(xr[i]) + (residual ? to_float(residual[r * size + i]) : 0.0f);
-      squares += v[i] * v[i];
+    const float *v;  // the row (+ residual) in float32
+    if (!residual) {
+      v = as_float(xr, size, buffer);
+    } else {
+      buffer.resize(size);
+      const T *res = residual + r * size;
+      int64_t i = 0;
+      for (; i + kLanes <= size; i += kLanes)
+        store_lanes(buffer.data() + i, load_lanes(xr + i) + load_lanes(res + i));
+      for (; i < size; ++i) buffer[i] = to_float(xr[i]) + to_float(res[i]);
+      v = buffer.data();
+      convert(v, sum + r * size, size);
     }
-    if (residual) {
-      for (int64_t i = 0; i < size; ++i) from_float(v[i], sum + r * size + i);
+    lanes squares{};
+    int64_t i = 0;
+    for (; i + kLanes <= size; i += kLanes) {
+      const lanes vi = load_lanes(v + i);
+      squares += vi * vi;
     }
-    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
+    float total = horizontal_sum(squares);
+    for (; i < size; ++i) total += v[i] * v[i];
+    const float scale = 1.0f / std::sqrt(total / static_cast<float>(size) + eps);
     const T *w = weight + (r % weight_rows) * size;
-    for (int64_t i = 0; i < size; ++i) from_float(v[i] * scale * to_float(w[i]), y + r * size + i);
+    T *out = y + r * size;
+    for (i = 0; i + kLanes <= size; i += kLanes)
+      store_lanes(out + i, load_lanes(v + i) * scale * load_lanes(w + i));
+    for (; i < size; ++i) from_float(v[i] * scale * to_float(w[i]), out + i);
   }, rows * size >= kParallelElements);
 }
 

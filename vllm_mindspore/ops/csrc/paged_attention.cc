@@ -157,15 +157,10 @@ void block_values_n(int rows, const float *p, int64_t ldp, const V *v, int64_t k
 }
 
 // Blocks are scattered in memory, beyond the hardware prefetcher's reach: a pass over an item's
-// blocks asks for the lines of the blocks up to kPrefetchBytes ahead (into L2: asking for L1
-// evicted lines still in use and measured slower). One block ahead was too little: a decode's
-// few kilobytes per block are computed faster than the next block's lines arrive.
+// blocks asks for the lines of the blocks up to kPrefetchBytes ahead (into L2). One block ahead
+// was too little: a decode's few kilobytes per block are computed faster than the next block's
+// lines arrive.
 constexpr int64_t kPrefetchBytes = 128 * 1024;
-
-inline void prefetch(const void *start, int64_t bytes) {
-  const char *p = static_cast<const char *>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
-}
 
 // Calls visit(j) for the blocks j = 0 .. num_blocks - 1, prefetching block(j) (`bytes` each)
 // kPrefetchBytes ahead of the visits.
@@ -183,12 +178,6 @@ inline float horizontal_max(lanes v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
-}
-
-inline float horizontal_sum(lanes v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
 }
 
 // p[0:n] = exp(p - max p[0:n]), p[n:width] = 0; returns the sum of p.

@@ -114,41 +114,43 @@ inline Pool &pool() {
   return *current;
 }
 
+// Nothing to set up on a thread before its first index (AMX sets up its tiles).
+struct NoThreadState {};
+
 // body(i, next) for i in [0, n), one index at a time to whichever thread is free, each thread
 // claiming its next index before it runs the current one, so the body can prefetch for `next`
 // (-1: this thread has no next index). Thread t starts at index t, so a few indices still
-// spread over the threads (two decodes: one each).
-template <typename Body>
-void parallel_for_claiming_next(int64_t n, const Body &body) {
+// spread over the threads (two decodes: one each). A thread holds a ThreadState from its first
+// index to its last. `parallel` off: all on the calling thread.
+template <typename ThreadState = NoThreadState, typename Body>
+void parallel_for_claiming_next(int64_t n, const Body &body, bool parallel = true) {
   std::atomic<int64_t> claimed{0};  // indices claimed after each thread's first
   auto work = [&](int t, int used) {
+    if (t >= n) return;
+    ThreadState state;
+    (void)state;
     for (int64_t i = t; i < n;) {
       const int64_t next = used + claimed.fetch_add(1);
       body(i, next < n ? next : -1);
       i = next;
     }
   };
-  if (n > 1)
+  if (parallel && n > 1)
     pool().run(work);
   else
     work(0, 1);
 }
 
-// body(i) for i in [0, n): over the pool's threads when `parallel` and n > 1, either in
-// contiguous ranges (static) or one index at a time to whichever thread is free (dynamic).
+// body(i) for i in [0, n): over the pool's threads in contiguous ranges when `parallel` and
+// n > 1 (parallel_for_claiming_next hands out one index at a time).
 template <typename Body>
-void parallel_for(int64_t n, const Body &body, bool parallel = true, bool dynamic = false) {
+void parallel_for(int64_t n, const Body &body, bool parallel = true) {
   if (!parallel || n <= 1 || num_threads <= 1) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  std::atomic<int64_t> next{0};
   pool().run([&](int t, int used) {
-    if (dynamic) {
-      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(i);
-    } else {
-      for (int64_t i = n * t / used; i < n * (t + 1) / used; ++i) body(i);
-    }
+    for (int64_t i = n * t / used; i < n * (t + 1) / used; ++i) body(i);
   });
 }
 

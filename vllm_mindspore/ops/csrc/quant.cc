@@ -133,6 +133,7 @@ inline void int8_block(const uint8_t *u, int64_t K4, const int8_t *packed, const
 void int8_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed, const int32_t *corr,
                  int64_t N, int32_t *acc, int64_t ldacc) {
   for_each_block(M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), acc, ldacc, true,
+                 {packed, K4 * kQPanel * 4},
                  [&](int64_t i, int64_t, int64_t rows, int64_t p, int32_t *c, int64_t ldc) {
     int8_block(u, K4, packed, corr, i, rows, p, std::min<int64_t>(kQPanel, N - p * kQPanel), c,
                ldc);
@@ -148,7 +149,7 @@ void quant_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed,
                   const int32_t *corr, int64_t N, const Dequant &dequant, float *y, int64_t ldy,
                   bool parallel, bool gated) {
   for_each_output_block(gated, M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), y,
-                        ldy, parallel,
+                        ldy, parallel, {packed, K4 * kQPanel * 4},
                         [&](int64_t i, int64_t, int64_t rows, int64_t p, float *c, int64_t ldc) {
     const int64_t columns = std::min<int64_t>(kQPanel, N - p * kQPanel);
     int32_t acc[kQRows * kQPanel];
@@ -285,7 +286,7 @@ int moe_experts(void **params, int64_t **shapes) {
     }
   }
   std::vector<float> copies(tokens * K * D, 0.0f);
-  parallel_for(experts, [&](int64_t e) {
+  parallel_for_claiming_next(experts, [&](int64_t e, int64_t) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) return;
     thread_local std::vector<uint8_t> rows, act_u;
@@ -329,7 +330,7 @@ int moe_experts(void **params, int64_t **shapes) {
                  },
                  down.data(), D, false, false);
     weigh_copies(down.data(), n, D, order.data() + start[e], weights, copies.data());
-  }, /*parallel=*/true, /*dynamic=*/true);
+  });
   sum_copies(copies.data(), tokens, K, D, out);
   return 0;
 }
