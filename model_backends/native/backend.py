@@ -3,7 +3,7 @@
 
 The model classes are graph-mode Cells taking `StepTensors`' fields as their `construct`
 arguments; their final norm + LM head run as a second, small graph (`logits_head()`), or, for
-a step of decodes under static shapes, inside the decoder's graph (`DecodeStep`).
+a step of decodes under static shapes, inside the decoder's graph (`StepGraph`).
 """
 
 import mindspore as ms
@@ -51,36 +51,29 @@ class StaticGraphs:
         return executor._exec_pip(self.cell, *run_args, phase=phase)
 
 
-class DecodeStep(nn.Cell):
-    """The decoder and the logits head as one graph: StepTensors' fields -> logits [T, vocab]
-    float32 of every token (a step of decodes samples each one)."""
+class StepGraph(nn.Cell):
+    """The decoder over StepTensors' six tensors (the graph's inputs, under the same names) with
+    `prefill_only` fixed, followed by the logits head where there is one: logits [T, vocab]
+    float32 of every token (a step of decodes samples each one).
 
-    def __init__(self, model: nn.Cell, head: nn.Cell):
-        super().__init__()
-        self.model = model
-        self.head = head
+    Dynamic shapes: MindSpore's `set_inputs` pins a bool input to the value it was given, so
+    each `prefill_only` value is a StepGraph of its own (one graph for steps of first prefills,
+    one for the rest). Static shapes: the decoder and the head of a step of decodes, one graph
+    (`prefill_only` is always False there)."""
 
-    def construct(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length,
-                  q_seq_lens, prefill_only=False):
-        return self.head(self.model(input_ids, positions, slot_mapping, block_tables,
-                                    batch_valid_length, q_seq_lens, prefill_only))
-
-
-class FixedPrefillOnly(nn.Cell):
-    """Dynamic shapes: the decoder with `prefill_only` fixed, its six tensors the graph's inputs
-    (same names). MindSpore's `set_inputs` pins a bool input to the value it was given, so each
-    value is a Cell of its own: one dynamic-shape graph for steps of first prefills, one for
-    the rest."""
-
-    def __init__(self, model: nn.Cell, prefill_only: bool):
+    def __init__(self, model: nn.Cell, prefill_only: bool, head: nn.Cell | None = None):
         super().__init__()
         self.model = model
         self.prefill_only = prefill_only
+        self.head = head
 
     def construct(self, input_ids, positions, slot_mapping, block_tables, batch_valid_length,
                   q_seq_lens):
-        return self.model(input_ids, positions, slot_mapping, block_tables, batch_valid_length,
-                          q_seq_lens, self.prefill_only)
+        hidden = self.model(input_ids, positions, slot_mapping, block_tables, batch_valid_length,
+                            q_seq_lens, self.prefill_only)
+        if self.head is None:
+            return hidden
+        return self.head(hidden)
 
 
 class NativeBackend:
@@ -97,11 +90,11 @@ class NativeBackend:
         self.static_shapes = static_shapes
         self.head = None  # the logits graph, made once the weights are in their compute layout
         # CPU: static graphs called directly; Ascend: one dynamic-shape graph for each
-        # `prefill_only` value (FixedPrefillOnly, made with the head), via the Cells.
+        # `prefill_only` value (StepGraph, made with the head), via the Cells.
         self.graphs = StaticGraphs(cell) if static_shapes else None
-        self.dynamic_steps: dict[bool, FixedPrefillOnly] = {}
+        self.dynamic_steps: dict[bool, StepGraph] = {}
         self.head_graphs = None
-        self.decode_graphs = None  # static shapes: DecodeStep's graphs, made with the head
+        self.decode_graphs = None  # static shapes: the decoder and head's graphs, made with the head
 
     @classmethod
     def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
@@ -124,9 +117,9 @@ class NativeBackend:
             self.head = self.cell.logits_head()
         if self.static_shapes:
             self.head_graphs = StaticGraphs(self.head)
-            self.decode_graphs = StaticGraphs(DecodeStep(self.cell, self.head))
+            self.decode_graphs = StaticGraphs(StepGraph(self.cell, False, self.head))
         else:
-            self.dynamic_steps = {flag: FixedPrefillOnly(self.cell, flag) for flag in (False, True)}
+            self.dynamic_steps = {flag: StepGraph(self.cell, flag) for flag in (False, True)}
             for dynamic in self.dynamic_steps.values():
                 dynamic.set_inputs(*self.cell.dynamic_inputs())
             self.head.set_inputs(ms.Tensor(shape=[None, self.hidden_size], dtype=self.precision.ms_compute))
@@ -155,13 +148,15 @@ class NativeBackend:
     def logits(self, hidden: ms.Tensor) -> ms.Tensor:
         return (self.head_graphs or self.head)(hidden)
 
+    # The decode graph (static shapes) takes the six tensors: its `prefill_only` is False, as
+    # every static-shape step's is (the runner's rule; only Ascend's kernels read the flag).
     def compile_decode(self, step: StepTensors) -> None:
         if self.decode_graphs:  # dynamic shapes: `decode` runs the two graphs compiled already
-            self.decode_graphs.compile(*step)
+            self.decode_graphs.compile(*step[:-1])
 
     def decode(self, step: StepTensors) -> ms.Tensor:
         if self.decode_graphs:
-            return self.decode_graphs(*step)
+            return self.decode_graphs(*step[:-1])
         return self.logits(self.forward(step))
 
     def num_compiled_graphs(self) -> int:

@@ -103,6 +103,11 @@ class GraphSizes:
             return []
         return self.tokens[:bisect.bisect_left(self.tokens, self.max_rows) + 1]
 
+    def runs_decode(self, num_tokens: int) -> bool:
+        """Whether a call of num_tokens tokens may run as `decode`: any size under dynamic
+        shapes, a size with a decode graph under static ones."""
+        return not self.static or num_tokens in self.decode_tokens
+
 
 class PromptRows(NamedTuple):
     start: int  # first prompt position scored this step
@@ -389,8 +394,7 @@ class MindSporeModelRunner:
         """A step of one graph call, whose logits rows are its tokens in order (one token a
         request, no prompt logprobs), padded to a size `decode` was compiled for."""
         return (len(inputs.calls) == 1 and not inputs.prompt_rows
-                and (not self.sizes.static
-                     or len(inputs.calls[0].input_ids) in self.sizes.decode_tokens)
+                and self.sizes.runs_decode(len(inputs.calls[0].input_ids))
                 and bool((inputs.num_scheduled == 1).all()))
 
     def execute_dummy_batch(self) -> None:
