@@ -216,6 +216,8 @@ struct Panels {
   }
 
   const char *at(int64_t p) const { return static_cast<const char *>(base) + p * bytes; }
+  template <typename W>
+  const W *panel(int64_t p) const { return reinterpret_cast<const W *>(at(p)); }
 };
 
 // y [M, N] (row stride ldy) computed in blocks of `block_rows` rows x one panel: compute(i, block,
@@ -355,7 +357,7 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
                                    parallel, panels,
                             [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
                                 int64_t ldc) {
-    const bf16 *panel = packed + p * steps * 2 * kPanel;
+    const bf16 *panel = panels.panel<bf16>(p);
     if (tiled > 0) {
       if (block == 32)
         amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
@@ -393,7 +395,7 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   for_each_output_block(gated, M, M, kRowChunk, M <= kSmallRows ? M : kRows, N, bias, y, ldy,
                         parallel, panels,
                  [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
-    const W *panel = packed + p * steps * per_step * kPanel;
+    const W *panel = panels.panel<W>(p);
     for (int64_t s0 = 0; s0 < steps; s0 += depth)
       block_n(static_cast<int>(block), a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
               std::min(depth, steps - s0), c, ldc, s0 > 0);

@@ -116,13 +116,15 @@ void qblock_n(int rows, const uint8_t *u, int64_t ldu, const int8_t *panel, int6
 
 static_assert(kQPanel == kPanel, "the int8 panels go through gemm.h's block loop");
 
+// Where the int8 panels of W (K4 * 4 rows of k each) lie.
+inline Panels int8_panels(const int8_t *packed, int64_t K4) { return {packed, K4 * kQPanel * 4}; }
+
 // c [rows, 0:columns] (row stride ldc) = u rows [i, i + rows) . panel p of W + corr, the exact
 // int32 sums (wrapping), rows <= kQRows.
-inline void int8_block(const uint8_t *u, int64_t K4, const int8_t *packed, const int32_t *corr,
+inline void int8_block(const uint8_t *u, int64_t K4, const Panels &panels, const int32_t *corr,
                        int64_t i, int64_t rows, int64_t p, int64_t columns, int32_t *c,
                        int64_t ldc) {
-  qblock_n(static_cast<int>(rows), u + i * K4 * 4, K4 * 4, packed + p * K4 * kQPanel * 4, K4, c,
-           ldc);
+  qblock_n(static_cast<int>(rows), u + i * K4 * 4, K4 * 4, panels.panel<int8_t>(p), K4, c, ldc);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < columns; ++j)  // unsigned: wrapping int32 arithmetic
       c[r * ldc + j] = static_cast<int32_t>(static_cast<uint32_t>(c[r * ldc + j]) +
@@ -132,10 +134,10 @@ inline void int8_block(const uint8_t *u, int64_t K4, const int8_t *packed, const
 // acc [M, N] (row stride ldacc) = u [M, K4 * 4] . packed W + corr, exact int32.
 void int8_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed, const int32_t *corr,
                  int64_t N, int32_t *acc, int64_t ldacc) {
+  const Panels panels = int8_panels(packed, K4);
   for_each_block(M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), acc, ldacc, true,
-                 {packed, K4 * kQPanel * 4},
-                 [&](int64_t i, int64_t, int64_t rows, int64_t p, int32_t *c, int64_t ldc) {
-    int8_block(u, K4, packed, corr, i, rows, p, std::min<int64_t>(kQPanel, N - p * kQPanel), c,
+                 panels, [&](int64_t i, int64_t, int64_t rows, int64_t p, int32_t *c, int64_t ldc) {
+    int8_block(u, K4, panels, corr, i, rows, p, std::min<int64_t>(kQPanel, N - p * kQPanel), c,
                ldc);
   });
 }
@@ -148,12 +150,13 @@ template <typename Dequant>
 void quant_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed,
                   const int32_t *corr, int64_t N, const Dequant &dequant, float *y, int64_t ldy,
                   bool parallel, bool gated) {
+  const Panels panels = int8_panels(packed, K4);
   for_each_output_block(gated, M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), y,
-                        ldy, parallel, {packed, K4 * kQPanel * 4},
+                        ldy, parallel, panels,
                         [&](int64_t i, int64_t, int64_t rows, int64_t p, float *c, int64_t ldc) {
     const int64_t columns = std::min<int64_t>(kQPanel, N - p * kQPanel);
     int32_t acc[kQRows * kQPanel];
-    int8_block(u, K4, packed, corr, i, rows, p, columns, acc, kQPanel);
+    int8_block(u, K4, panels, corr, i, rows, p, columns, acc, kQPanel);
     dequant(i, rows, p * kQPanel, columns, acc, c, ldc);
   });
 }
