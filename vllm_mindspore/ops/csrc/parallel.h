@@ -27,67 +27,79 @@ inline int num_threads = 1;
 
 class Pool {
  public:
-  // Runs job(t, n) for t = 0 .. n - 1 on the n = num_threads threads of the pool (the caller is
-  // t = 0; every worker takes part in every job) and returns when every one has returned. A call
-  // made while the pool is busy (another thread's kernel, or from inside a job) runs job(0, 1) on
-  // the calling thread alone.
+  // Runs job() on the calling thread and on each of the pool's num_threads - 1 workers that
+  // gets to it before the caller's own call returns. The job hands out its work by claims, so any
+  // one call may do all of it: when the caller's call returns the job is closed, and the caller
+  // waits only for the workers that entered it. A worker the OS has put aside (the API server
+  // runs on the same CPUs when serving) then costs a kernel nothing, where waiting for every
+  // worker stalled each kernel until that worker ran again. A call made while the pool is busy
+  // (another thread's kernel, or from inside a job) runs job() on the calling thread alone.
   template <typename Job>
   void run(const Job &job) {
     bool idle = false;
-    if (num_threads <= 1 || !busy_.compare_exchange_strong(idle, true)) return job(0, 1);
+    if (num_threads <= 1 || !busy_.compare_exchange_strong(idle, true)) return job();
     grow(num_threads - 1);
     job_ = &job;
-    call_ = [](const void *job, int t, int n) { (*static_cast<const Job *>(job))(t, n); };
-    const int threads = threads_ = static_cast<int>(workers_.size()) + 1;
-    pending_.store(threads - 1);
-    generation_.fetch_add(1);
+    call_ = [](const void *job) { (*static_cast<const Job *>(job))(); };
+    left_.store(0, std::memory_order_relaxed);
+    state_.store(generation_of(state_.load()) + kGeneration, std::memory_order_release);
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
     }
-    job(0, threads);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    job();
+    const uint64_t entered = state_.fetch_or(kClosed, std::memory_order_acq_rel) & kEntered;
+    while (static_cast<uint64_t>(left_.load(std::memory_order_acquire)) != entered) _mm_pause();
     busy_.store(false);
   }
 
  private:
   static constexpr std::chrono::microseconds kSpinTime{250};
+  // state_: the job's generation (high 32 bits), whether it is closed, how many workers entered.
+  static constexpr uint64_t kGeneration = uint64_t{1} << 32, kClosed = uint64_t{1} << 31,
+                            kEntered = kClosed - 1;
+  static uint64_t generation_of(uint64_t state) { return state & ~(kGeneration - 1); }
 
-  // Called before the job's generation is published: a new worker takes part in it whenever
-  // its thread gets to run.
+  // A new worker waits for the job after the current one.
   void grow(int workers) {
     while (static_cast<int>(workers_.size()) < workers) {
-      const int t = static_cast<int>(workers_.size()) + 1;
-      const uint64_t seen = generation_.load();
-      workers_.emplace_back([this, t, seen] { work(t, seen); });
+      const uint64_t seen = generation_of(state_.load());
+      workers_.emplace_back([this, seen] { work(seen); });
       workers_.back().detach();
     }
   }
 
-  void work(int t, uint64_t seen) {
+  void work(uint64_t seen) {
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
-      for (int spins = 1; generation_.load() == seen; ++spins) {
+      for (int spins = 1; generation_of(state_.load()) == seen; ++spins) {
         _mm_pause();
         if (spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpinTime) {
           std::unique_lock<std::mutex> lock(mutex_);
           sleepers_.fetch_add(1);
-          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          wake_.wait(lock, [&] { return generation_of(state_.load()) != seen; });
           sleepers_.fetch_sub(1);
         }
       }
-      seen = generation_.load();
-      call_(job_, t, threads_);
-      pending_.fetch_sub(1, std::memory_order_release);
+      uint64_t state = state_.load(std::memory_order_acquire);
+      seen = generation_of(state);
+      // Enter the job unless the caller has closed it (or a newer one has started: the next
+      // turn of the loop enters that).
+      while (!(state & kClosed) && generation_of(state) == seen) {
+        if (state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel)) {
+          call_(job_);
+          left_.fetch_add(1, std::memory_order_release);
+          break;
+        }
+      }
     }
   }
 
   std::atomic<bool> busy_{false};
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0}, sleepers_{0};
+  std::atomic<uint64_t> state_{kClosed};
+  std::atomic<int> left_{0}, sleepers_{0};
   const void *job_ = nullptr;
-  void (*call_)(const void *, int, int) = nullptr;
-  int threads_ = 1;
+  void (*call_)(const void *) = nullptr;
   std::vector<std::thread> workers_;  // detached: they live as long as the process
   std::mutex mutex_;
   std::condition_variable wake_;
@@ -117,20 +129,27 @@ inline Pool &pool() {
 // Nothing to set up on a thread before its first index (AMX sets up its tiles).
 struct NoThreadState {};
 
-// body(i, next) for i in [0, n), one index at a time to whichever thread is free, each thread
-// claiming its next index before it runs the current one, so the body can prefetch for `next`
-// (-1: this thread has no next index). Thread t starts at index t, so a few indices still
-// spread over the threads (two decodes: one each). A thread holds a ThreadState from its first
+// body(i, next) for i in [0, n), one index at a time to whichever thread claims it. With many
+// indices (at least 4 a thread) or one thread, a thread claims its next index before it runs the
+// current one, so the body can prefetch for `next` (-1: none); with fewer, claiming ahead could
+// leave a thread idle (two decodes: one each), and `next` is -1. A thread holds a ThreadState from its first
 // index to its last. `parallel` off: all on the calling thread.
 template <typename ThreadState = NoThreadState, typename Body>
 void parallel_for_claiming_next(int64_t n, const Body &body, bool parallel = true) {
-  std::atomic<int64_t> claimed{0};  // indices claimed after each thread's first
-  auto work = [&](int t, int used) {
-    if (t >= n) return;
+  std::atomic<int64_t> claimed{0};
+  const bool ahead = !parallel || n >= 4 * int64_t{num_threads};
+  auto work = [&] {
+    int64_t i = claimed.fetch_add(1);
+    if (i >= n) return;
     ThreadState state;
     (void)state;
-    for (int64_t i = t; i < n;) {
-      const int64_t next = used + claimed.fetch_add(1);
+    while (i < n) {
+      if (!ahead) {
+        body(i, -1);
+        i = claimed.fetch_add(1);
+        continue;
+      }
+      const int64_t next = claimed.fetch_add(1);
       body(i, next < n ? next : -1);
       i = next;
     }
@@ -138,20 +157,35 @@ void parallel_for_claiming_next(int64_t n, const Body &body, bool parallel = tru
   if (parallel && n > 1)
     pool().run(work);
   else
-    work(0, 1);
+    work();
 }
 
-// body(i) for i in [0, n): over the pool's threads in contiguous ranges when `parallel` and
-// n > 1 (parallel_for_claiming_next hands out one index at a time).
+// body(i) for i in [0, n) in `ranges` contiguous ranges, claimed one at a time by whichever
+// thread is free, when `parallel` and n > 1.
 template <typename Body>
-void parallel_for(int64_t n, const Body &body, bool parallel = true) {
+void parallel_for_ranges(int64_t n, int64_t ranges, const Body &body, bool parallel = true) {
   if (!parallel || n <= 1 || num_threads <= 1) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  pool().run([&](int t, int used) {
-    for (int64_t i = n * t / used; i < n * (t + 1) / used; ++i) body(i);
+  std::atomic<int64_t> claimed{0};
+  pool().run([&] {
+    for (int64_t r = claimed.fetch_add(1); r < ranges; r = claimed.fetch_add(1))
+      for (int64_t i = n * r / ranges; i < n * (r + 1) / ranges; ++i) body(i);
   });
+}
+
+// body(i) for i in [0, n), about 4 ranges a thread (a thread that comes late finds some left).
+template <typename Body>
+void parallel_for(int64_t n, const Body &body, bool parallel = true) {
+  parallel_for_ranges(n, std::min<int64_t>(n, 4 * int64_t{num_threads}), body, parallel);
+}
+
+// body(i) for i in [0, n), one index at a time: for indices of very unequal cost (the MoE
+// experts' token counts).
+template <typename Body>
+void parallel_for_each_claimed(int64_t n, const Body &body) {
+  parallel_for_ranges(n, n, body);
 }
 
 }  // namespace vllm_ms

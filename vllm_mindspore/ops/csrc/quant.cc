@@ -289,7 +289,7 @@ int moe_experts(void **params, int64_t **shapes) {
     }
   }
   std::vector<float> copies(tokens * K * D, 0.0f);
-  parallel_for_claiming_next(experts, [&](int64_t e, int64_t) {
+  parallel_for_each_claimed(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) return;
     thread_local std::vector<uint8_t> rows, act_u;
