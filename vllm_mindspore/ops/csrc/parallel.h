@@ -42,7 +42,9 @@ class Pool {
     job_ = &job;
     call_ = [](const void *job) { (*static_cast<const Job *>(job))(); };
     left_.store(0, std::memory_order_relaxed);
-    state_.store(generation_of(state_.load()) + kGeneration, std::memory_order_release);
+    // seq_cst, as the worker's sleepers_ count before it reads state_: otherwise this thread could
+    // read sleepers_ before its store is seen, and a worker going to sleep miss the job.
+    state_.store(generation_of(state_.load()) + kGeneration);
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
