@@ -62,7 +62,7 @@ class Pool {
                             kEntered = kClosed - 1;
   static uint64_t generation_of(uint64_t state) { return state & ~(kGeneration - 1); }
 
-  // A new worker waits for the job after the current one.
+  // Called before a job is published: a new worker takes part in it and in every later one.
   void grow(int workers) {
     while (static_cast<int>(workers_.size()) < workers) {
       const uint64_t seen = generation_of(state_.load());
@@ -134,8 +134,8 @@ struct NoThreadState {};
 // body(i, next) for i in [0, n), one index at a time to whichever thread claims it. With many
 // indices (at least 4 a thread) or one thread, a thread claims its next index before it runs the
 // current one, so the body can prefetch for `next` (-1: none); with fewer, claiming ahead could
-// leave a thread idle (two decodes: one each), and `next` is -1. A thread holds a ThreadState from its first
-// index to its last. `parallel` off: all on the calling thread.
+// leave a thread idle (two decodes: one each), and `next` is -1. A thread holds a ThreadState
+// from its first index to its last. `parallel` off: all on the calling thread.
 template <typename ThreadState = NoThreadState, typename Body>
 void parallel_for_claiming_next(int64_t n, const Body &body, bool parallel = true) {
   std::atomic<int64_t> claimed{0};
