@@ -146,14 +146,9 @@ void parallel_for_claiming_next(int64_t n, const Body &body, bool parallel = tru
     ThreadState state;
     (void)state;
     while (i < n) {
-      if (!ahead) {
-        body(i, -1);
-        i = claimed.fetch_add(1);
-        continue;
-      }
-      const int64_t next = claimed.fetch_add(1);
+      const int64_t next = ahead ? claimed.fetch_add(1) : -1;
       body(i, next < n ? next : -1);
-      i = next;
+      i = ahead ? next : claimed.fetch_add(1);
     }
   };
   if (parallel && n > 1)

@@ -270,7 +270,8 @@ int moe_experts(void **params, int64_t **shapes) {
   const int64_t tokens = shapes[0][0], D = shapes[0][1], K = shapes[1][1];
   const int64_t experts = shapes[3][0], N13 = shapes[4][1], I = N13 / 2, D2 = shapes[7][1];
   const int64_t D4 = shapes[3][2], I4 = shapes[6][2];
-  const int64_t w13_size = shapes[3][1] * D4 * kQPanel * 4, w2_size = shapes[6][1] * I4 * kQPanel * 4;
+  const int64_t w13_size = shapes[3][1] * int8_panels(nullptr, D4).bytes;
+  const int64_t w2_size = shapes[6][1] * int8_panels(nullptr, I4).bytes;
   if (D4 != groups_of_4(D) || I4 != groups_of_4(I) || D2 != D || shapes[3][1] * kQPanel < N13 ||
       shapes[6][1] * kQPanel < D || N13 % 2)
     return 1;
