@@ -1,10 +1,11 @@
 """Expert parallel as the user guide runs DeepSeek (scaled down): two data-parallel engines
 (head + `--headless` secondary), `--enable-expert-parallel`, routed experts split between them,
-dispatched with AllGather + AllReduce over MindSpore's mccl. Tokens equal EP off."""
+dispatched with AllGather + AllReduce over MindSpore's mccl. Greedy tokens match HF's."""
 
 import pytest
 
-from conftest import PROMPTS, Server, finish_deepseek_checkpoint, free_port, greedy_tokens, slow
+from conftest import (PROMPTS, HFReference, assert_matches_hf, finish_deepseek_checkpoint, free_port,
+                      greedy_tokens, slow)
 from test_moe_models import MODELS
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
@@ -19,18 +20,9 @@ def deepseek(tiny_model_factory):
     return model
 
 
-@pytest.fixture(scope="module")
-def ep_off_tokens(deepseek, tmp_path_factory):
-    server = Server(deepseek, list(ARGS), str(tmp_path_factory.mktemp("ep_off") / "server.log"))
-    try:
-        return greedy_tokens(server.wait_ready(), deepseek, PROMPTS)
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=slow(
     "4 ranks compiling at once need 3-5 min on 2 cores"))])
-def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
+def test_dp2_expert_parallel_matches_hf(serve, deepseek, tp):
     """tp=2 is the user guide's DP x TP x EP layout (DP4/TP4/EP4) scaled down: 4 ranks, each
     engine's TP ranks a MindSpore subgroup of the expert-parallel world."""
     model = deepseek
@@ -43,7 +35,10 @@ def test_dp2_expert_parallel_matches_ep_off(serve, deepseek, ep_off_tokens, tp):
     secondary = serve(model, *ARGS, *dp, "--headless", "--data-parallel-start-rank", "1",
                       env=env, wait=False)
     head.wait_ready(timeout=600)  # 4 ranks compiling on 2 cores
-    assert greedy_tokens(head, model, PROMPTS) == ep_off_tokens
+    reference = HFReference(model)
+    for prompt, ours in zip(PROMPTS, greedy_tokens(head, model, PROMPTS)):
+        expected, steps = reference.greedy(reference.tokenizer(prompt)["input_ids"], len(ours))
+        assert_matches_hf(ours, None, expected, steps, repr(prompt))
     for server in (head, secondary):
         log = server.log_tail(100000)
         assert "MindSpore communication up: rank" in log and f"of {2 * tp}" in log
