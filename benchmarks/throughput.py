@@ -4,7 +4,8 @@ Every engine runs in its own process with the same CPUs and thread count, and th
 printed as median [min..max] over --repeats runs, the engines alternating:
 
   offline    64 prompts x 128 random token ids in, 128 out, greedy, ignore_eos: output tok/s;
-             batch-1 TTFT and decode ms/token; each engine's greedy tokens checked against an
+             batch-1 TTFT and decode ms/token; the TTFT of concurrency - 1 prompts submitted
+             together (a serving wave's later requests); each engine's greedy tokens checked against an
              fp32 HF reference (first --check-tokens tokens of every prompt; near-ties measured)
   serve      each engine's OpenAI server on 127.0.0.1, driven by vLLM's own `vllm bench serve`
              (random 128/128, 64 prompts, concurrency 8): TTFT, TPOT (median, p99), output tok/s,
@@ -436,10 +437,11 @@ class Engine:
         self.label = f"{LABELS[kind]} {SHORT_DTYPE[self.dtype]}"
 
 
-def offline_run(engine: Engine, args, model: str, prompts, batch1_prompts, cpus, log_dir: str,
-                tag: str) -> dict:
+def offline_run(engine: Engine, args, model: str, prompts, batch1_prompts, wave_prompts, cpus,
+                log_dir: str, tag: str) -> dict:
     spec = {"model": model, "dtype": engine.dtype, "prompts": prompts,
-            "batch1_prompts": batch1_prompts,
+            "batch1_prompts": batch1_prompts, "wave_prompts": wave_prompts,
+            "wave_size": args.concurrency - 1,
             "output_len": args.output_len, "max_model_len": args.max_model_len,
             "batch1_repeats": args.batch1_repeats, "threads": len(cpus),
             "engine_args": json.loads(args.engine_args)}
@@ -707,11 +709,13 @@ def report(data: dict, markdown: bool = False) -> str:
             xf = (f"{r['decode_ms']['median'] / floor:.2f}" if r.get("decode_ms") and floor
                   else "—")
             rows.append([e["label"], fmt(r.get("tok_s"), 1), fmt(r.get("decode_ms"), 2), xf,
-                         fmt(r.get("ttft_ms"), 1), fmt(r.get("init_s"), 1),
+                         fmt(r.get("ttft_ms"), 1), fmt(r.get("wave_ms"), 1),
+                         fmt(r.get("init_s"), 1),
                          data.get("check", {}).get(e["key"], "—")])
             notes += [f"! {e['label']}: {err.splitlines()[0]}" for err in r.get("errors", [])]
         lines.extend(render(["engine", "output tok/s", "batch-1 ms/token", "x floor",
-                             "batch-1 TTFT ms", "init s", "greedy tokens vs fp32 HF"], rows,
+                             "batch-1 TTFT ms", f"TTFT {a['concurrency'] - 1} prompts ms", "init s",
+                             "greedy tokens vs fp32 HF"], rows,
                             markdown))
         ref = data.get("reference")
         if ref:
@@ -792,6 +796,12 @@ def compute_ratios(data: dict) -> list[tuple[str, str]]:
     if same in engines and get(off, same, "decode_ms"):
         rows.append((f"batch-1 decode ms  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}",
                      ratio(get(off, ours_key, "decode_ms"), get(off, same, "decode_ms"))))
+    if same in engines:
+        for field, name in (("ttft_ms", "batch-1 TTFT"), ("wave_ms", "TTFT of a serving wave's "
+                                                                   "later prompts, offline")):
+            if get(off, ours_key, field) and get(off, same, field):
+                rows.append((f"{name}  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}",
+                             ratio(get(off, ours_key, field), get(off, same, field))))
     if same in srv and ours_key in srv:
         for field, name in (("median_ttft_ms", "serve TTFT median"), ("median_tpot_ms",
                             "serve TPOT median"), ("output_throughput", "serve output tok/s"),
@@ -972,6 +982,8 @@ def main() -> None:
         # its last block, 112 of 128 tokens with our block size 16 and none with vLLM-CPU's 128.
         batch1_prompts = workload(vocab_size, 2 * args.batch1_repeats, args.input_len,
                                   args.seed + 1)
+        wave_prompts = workload(vocab_size, (args.concurrency - 1) * args.batch1_repeats,
+                                args.input_len, args.seed + 2)
         runs: dict[str, list[dict]] = {e.key: [] for e in engines}
         errors: dict[str, list[str]] = {e.key: [] for e in engines}
         for r in range(args.repeats):
@@ -979,8 +991,8 @@ def main() -> None:
                 tag = f"offline-{e.kind}-{e.dtype}-r{r}"
                 log(f"offline {e.label}, repeat {r + 1}/{args.repeats}")
                 try:
-                    res = offline_run(e, args, model, prompts, batch1_prompts, cpus, log_dir,
-                                      tag)
+                    res = offline_run(e, args, model, prompts, batch1_prompts, wave_prompts,
+                                      cpus, log_dir, tag)
                     load.append(os.getloadavg()[0])
                     runs[e.key].append(res)
                     log(f"  {res['generated'] / res['seconds']:.1f} tok/s, batch-1 "
@@ -997,6 +1009,7 @@ def main() -> None:
                 "tok_s": spread([x["generated"] / x["seconds"] for x in rs]),
                 "decode_ms": spread([x["decode_ms"] for x in rs]),
                 "ttft_ms": spread([x["ttft_ms"] for x in rs]),
+                "wave_ms": spread([x.get("wave_ms") for x in rs]),
                 "init_s": spread([x["init_s"] for x in rs]),
                 "config": rs[0]["config"] if rs else None,
                 "runs": [{k: v for k, v in x.items() if k != "tokens"} for x in rs],
