@@ -5,8 +5,9 @@ printed as median [min..max] over --repeats runs, the engines alternating:
 
   offline    64 prompts x 128 random token ids in, 128 out, greedy, ignore_eos: output tok/s;
              batch-1 TTFT and decode ms/token; the TTFT of concurrency - 1 prompts submitted
-             together (a serving wave's later requests); each engine's greedy tokens checked against an
-             fp32 HF reference (first --check-tokens tokens of every prompt; near-ties measured)
+             together (a serving wave's later requests); each engine's greedy tokens checked
+             against an fp32 HF reference (first --check-tokens tokens of every prompt; near-ties
+             measured)
   serve      each engine's OpenAI server on 127.0.0.1, driven by vLLM's own `vllm bench serve`
              (random 128/128, 64 prompts, concurrency 8): TTFT, TPOT (median, p99), output tok/s,
              start-up time to /health 200 and, for ours, the graph compile time from its log
@@ -797,8 +798,8 @@ def compute_ratios(data: dict) -> list[tuple[str, str]]:
         rows.append((f"batch-1 decode ms  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}",
                      ratio(get(off, ours_key, "decode_ms"), get(off, same, "decode_ms"))))
     if same in engines:
-        for field, name in (("ttft_ms", "batch-1 TTFT"), ("wave_ms", "TTFT of a serving wave's "
-                                                                   "later prompts, offline")):
+        wave = "TTFT of a serving wave's later prompts, offline"
+        for field, name in (("ttft_ms", "batch-1 TTFT"), ("wave_ms", wave)):
             if get(off, ours_key, field) and get(off, same, field):
                 rows.append((f"{name}  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}",
                              ratio(get(off, ours_key, field), get(off, same, field))))

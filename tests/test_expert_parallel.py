@@ -4,8 +4,8 @@ dispatched with AllGather + AllReduce over MindSpore's mccl. Greedy tokens match
 
 import pytest
 
-from conftest import (PROMPTS, HFReference, assert_matches_hf, finish_deepseek_checkpoint, free_port,
-                      greedy_tokens, slow)
+from conftest import (PROMPTS, HFReference, assert_matches_hf, finish_deepseek_checkpoint,
+                      free_port, greedy_tokens, slow)
 from test_moe_models import MODELS
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
