@@ -14,6 +14,7 @@ supported imports no MindSpore. `build_backend` is what a worker calls.
 
 import importlib
 import importlib.util
+import os
 import time
 from typing import NamedTuple
 
@@ -139,6 +140,17 @@ def resolve_entry(architectures: list[str], backend: str, vllm_config=None) -> M
     raise UnsupportedModelError(
         f"Model architecture(s) {architectures} are not supported by the {backend} backend of "
         f"vllm-mindspore. Supported: {', '.join(supported_architectures(backend))}.")
+
+
+def check_model_servable(model_config, backend: str) -> None:
+    """Refuse, in vLLM's front-end process before any worker starts (seconds instead of a
+    worker's start-up), a model no worker could build: an architecture `backend` does not
+    implement, or a local folder with no (or an incomplete set of) safetensors weights."""
+    from model_backends.native.checkpoint import safetensors_files
+
+    resolve_entry(list(getattr(model_config.hf_config, "architectures", None) or []), backend)
+    if os.path.isdir(model_config.model):  # a hub id is vLLM's to resolve
+        safetensors_files(model_config.model)
 
 
 def resolve_model_class(architectures: list[str], backend: str):

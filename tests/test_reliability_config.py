@@ -152,6 +152,11 @@ END_TO_END = [
     ("truncated-checkpoint", _truncate, (),
      "Cannot read safetensors file '{dir}/model.safetensors' (SafetensorError", False),
     ("missing-tokenizer", _remove_tokenizer, (), "No tokenizer in '{dir}'", True),
+    ("missing-weights", lambda folder: os.remove(os.path.join(folder, "model.safetensors")), (),
+     "No *.safetensors weights in '{dir}'", True),
+    # An architecture vLLM knows but this plugin does not implement.
+    ("unknown-architecture", lambda folder: _edit_config(folder, architectures=[
+        "MistralForCausalLM"]), (), "not supported by the Native backend of vllm-mindspore", True),
     ("lora-requested", lambda folder: None, ("--enable-lora",),
      "vllm-mindspore does not support LoRA adapters (--enable-lora)", True),
 ]
@@ -159,9 +164,10 @@ END_TO_END = [
 
 def test_bad_configuration_stops_the_server_end_to_end(serve, llama, tmp_path):
     """`vllm-mindspore serve` on a truncated checkpoint (fails in the worker, while loading), a
-    folder without tokenizer and --enable-lora (both refused before any engine process): each
-    exits non-zero with its error in the log, and leaves no process or listening port. The
-    three start together (their start-ups overlap)."""
+    folder without tokenizer or without weights, an architecture the plugin does not implement
+    and --enable-lora (all four refused before any engine process): each exits non-zero with
+    its error in the log, and leaves no process or listening port. They start together (their
+    start-ups overlap)."""
     started = time.time()
     servers = []
     for case, breaks, args, expected, before_engine in END_TO_END:

@@ -299,7 +299,7 @@ class MindSporePlatform(Platform):
         from vllm.config import CompilationMode
         from vllm.config.compilation import CUDAGraphMode
 
-        from model_backends import MINDFORMERS, select_backend
+        from model_backends import MINDFORMERS, check_model_servable, select_backend
 
         backend = select_backend()
         logger.info("Model backend: %s (%s)", backend.name, backend.reason)
@@ -342,6 +342,7 @@ class MindSporePlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is not None:
             check_dtype_for_device(DEVICE, str(model_config.dtype).removeprefix("torch."))
+            check_model_servable(model_config, backend.name)
         check_supported_features(vllm_config)
         check_quantization_flag(model_config)
         check_tokenizer_present(model_config)

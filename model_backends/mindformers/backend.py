@@ -29,7 +29,8 @@ from model_backends.contract import Precision
 from model_backends.mindformers import package_limits
 from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByMindFormersError,
                                                mindformers_config)
-from model_backends.native.weights import WeightLoadError, is_mtp_tensor, safetensors_files
+from model_backends.native.checkpoint import WeightLoadError, safetensors_files
+from model_backends.native.weights import is_mtp_tensor
 from vllm_mindspore.ops.attention import prefill_mask
 from vllm_mindspore.platform import ASCEND, DEVICE, kernel_device
 

@@ -4,8 +4,6 @@ Tensors are read through torch (safetensors' numpy reader has no bfloat16), cast
 parameter's dtype and handed to MindSpore without another copy.
 """
 
-import json
-import os
 import re
 from collections.abc import Callable
 
@@ -16,6 +14,7 @@ from mindspore import nn
 from safetensors import SafetensorError, safe_open
 from vllm.logger import init_logger
 
+from model_backends.native.checkpoint import WeightLoadError, safetensors_files
 from model_backends.native.layers import (ShardSpec, collect_shards, tp_rank_and_size,
                                           use_compute_layouts)
 from model_backends.native.quant import collect_tensor_specs, missing_tensors_error, prepare
@@ -28,10 +27,6 @@ _TORCH_DTYPE = {ms.float32: torch.float32, ms.float16: torch.float16, ms.bfloat1
 _CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-class WeightLoadError(ValueError):
-    pass
-
-
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -40,32 +35,6 @@ def is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
     past num_hidden_layers): not used for generation."""
     match = _LAYER_INDEX.match(name)
     return bool(match) and int(match.group(1)) >= num_hidden_layers
-
-
-def safetensors_files(model_dir: str) -> list[str]:
-    """The checkpoint's files: the shards an index names (each must exist), else every
-    *.safetensors file of the folder."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise WeightLoadError(
-                f"Cannot read the checkpoint index {index!r} ({type(error).__name__}: {error}): "
-                "it must be JSON with a 'weight_map' of tensor name -> shard file.") from error
-        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
-        if missing:
-            raise WeightLoadError(
-                f"Shard(s) {missing} named by {index!r} are missing from {model_dir!r}: the "
-                "checkpoint is incomplete (an interrupted download?).")
-        return [os.path.join(model_dir, s) for s in shards]
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise WeightLoadError(
-            f"No *.safetensors weights in {model_dir!r}. vllm-mindspore reads HF safetensors "
-            "checkpoints (model.safetensors or model-0000x-of-0000y.safetensors + index).")
-    return [os.path.join(model_dir, f) for f in files]
 
 
 def _unreadable(path: str, error: Exception, tensor: str | None = None) -> WeightLoadError:
