@@ -218,10 +218,12 @@ def _batch1(run, prompts, output_len: int, repeats: int) -> tuple[float, float]:
     return statistics.median(ttft), statistics.median(decode)
 
 
-def _wave_prefill(run, prompts, size: int, repeats: int) -> float | None:
-    """Median ms of t(1 token) for `size` prompts together, each repeat its own unseen prompts:
-    the prefill step a serving wave's later requests wait for (`vllm bench serve` at concurrency
-    C sends C requests at once; the engine takes the first alone and the other C - 1 together)."""
+def _wave_prefill(run, prompts, repeats: int) -> float | None:
+    """Median ms of t(1 token) for len(prompts) / repeats prompts together, each repeat its own
+    unseen prompts: the prefill step a serving wave's later requests wait for (`vllm bench serve`
+    at concurrency C sends C requests at once; the engine takes the first alone and the other
+    C - 1 together)."""
+    size = len(prompts) // repeats
     if size < 1:
         return None
     return statistics.median(_timed(lambda: run(prompts[r * size:(r + 1) * size], 1)) * 1e3
@@ -257,7 +259,7 @@ def cmd_offline_vllm(spec: dict) -> dict:
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     ttft_ms, decode_ms = _batch1(run, batch1_prompts, spec["output_len"],
                                  spec["batch1_repeats"])
-    wave_ms = _wave_prefill(run, wave_prompts, spec["wave_size"], spec["batch1_repeats"])
+    wave_ms = _wave_prefill(run, wave_prompts, spec["batch1_repeats"])
     config = {}
     try:
         sched = llm.llm_engine.vllm_config.scheduler_config
@@ -317,7 +319,7 @@ def cmd_offline_hf(spec: dict) -> dict:
     seconds = time.perf_counter() - start
     ttft_ms, decode_ms = _batch1(run, batch1_prompts, spec["output_len"],
                                  spec["batch1_repeats"])
-    wave_ms = _wave_prefill(run, spec["wave_prompts"], spec["wave_size"], spec["batch1_repeats"])
+    wave_ms = _wave_prefill(run, spec["wave_prompts"], spec["batch1_repeats"])
     return {"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens)),
             "ttft_ms": ttft_ms, "decode_ms": decode_ms, "wave_ms": wave_ms, "init_s": init_s,
             "config": {"batch": len(prompts), "torch_threads": torch.get_num_threads()}}

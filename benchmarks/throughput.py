@@ -442,7 +442,6 @@ def offline_run(engine: Engine, args, model: str, prompts, batch1_prompts, wave_
                 log_dir: str, tag: str) -> dict:
     spec = {"model": model, "dtype": engine.dtype, "prompts": prompts,
             "batch1_prompts": batch1_prompts, "wave_prompts": wave_prompts,
-            "wave_size": args.concurrency - 1,
             "output_len": args.output_len, "max_model_len": args.max_model_len,
             "batch1_repeats": args.batch1_repeats, "threads": len(cpus),
             "engine_args": json.loads(args.engine_args)}
