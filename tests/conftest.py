@@ -279,6 +279,19 @@ def assert_matches_hf(ours: list[int], our_logprobs: list[float] | None, ref_tok
     assert len(ours) == len(ref_tokens), f"{context}: {len(ours)} tokens vs HF {len(ref_tokens)}"
 
 
+def assert_serves_hf_tokens(model: str, prompts: list[str], tokens: list[list[int]],
+                            context: str = "") -> None:
+    """Each prompt's served greedy tokens are HF's on the same folder (`assert_matches_hf`;
+    a prompt repeated, say for a prefix-cache hit, is run through HF once)."""
+    reference = HFReference(model)
+    expected = {}
+    for prompt, ours in zip(prompts, tokens, strict=True):
+        if prompt not in expected:
+            expected[prompt] = reference.greedy(reference.tokenizer(prompt)["input_ids"],
+                                                len(ours))
+        assert_matches_hf(ours, None, *expected[prompt], f"{context} {prompt[:20]!r}")
+
+
 class Server:
     """`vllm-mindspore serve` in its own process group, logs in a file."""
 

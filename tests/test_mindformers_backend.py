@@ -7,8 +7,8 @@ by the CLI, and bad YAMLs stop the server before any worker starts."""
 import os
 
 import pytest
-from conftest import (MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE, PROMPTS, ROOT, HFReference,
-                      assert_matches_hf, greedy_tokens, needs_mindformers,
+from conftest import (MF_DEEPSEEK_V3, MF_DEEPSEEK_YARN, MF_QWEN3_MOE, PROMPTS, ROOT,
+                      assert_serves_hf_tokens, greedy_tokens, needs_mindformers,
                       real_tiny_checkpoint, slow)
 
 from model_backends import mindformers_installed
@@ -33,11 +33,7 @@ def mindformers_env(yaml_name):
 def test_mindformers_backend_serves_hf_tokens(serve, qwen2):
     """The Native backend serves HF's tokens too (tests/test_serve.py): both backends agree."""
     server = serve(qwen2, *ARGS, env=mindformers_env("predict_qwen2_tiny.yaml"))
-    tokens = greedy_tokens(server, qwen2, PROMPTS)
-    reference = HFReference(qwen2)
-    for prompt, ours in zip(PROMPTS, tokens):
-        expected, steps = reference.greedy(reference.tokenizer(prompt)["input_ids"], len(ours))
-        assert_matches_hf(ours, None, expected, steps, repr(prompt))
+    assert_serves_hf_tokens(qwen2, PROMPTS, greedy_tokens(server, qwen2, PROMPTS))
     log = server.log_tail(100000)
     assert "Model backend: MindFormers (vLLM_MODEL_BACKEND=MindFormers)" in log
     if mindformers_installed():
@@ -67,11 +63,7 @@ def test_mindformers_qwen3_serves_hf_tokens_with_chunked_prefill_and_prefix_cach
     log = server.log_tail(100000)
     assert ("Built mindformers.models.qwen3.modeling_qwen3_infer.InferenceQwen3ForCausalLM "
             "with MindFormersBackend") in log
-    reference = HFReference(model)
-    for prompt, ours in zip(prompts, tokens):
-        ids = reference.tokenizer(prompt)["input_ids"]
-        expected, steps = reference.greedy(ids, len(ours))
-        assert_matches_hf(ours, None, expected, steps, repr(prompt))
+    assert_serves_hf_tokens(model, prompts, tokens)
 
 
 # name -> (architecture, tiny-config overrides, YAML, the mindformers class expected to run).
@@ -117,16 +109,6 @@ def serve_twice(server, model: str, max_tokens: int = 8) -> tuple[list[list[int]
     return [r.choices[0].token_ids for r in responses], cached
 
 
-def assert_serves_hf_tokens(model: str, tokens: list[list[int]], context: str) -> None:
-    reference = HFReference(model)
-    expected = {}
-    for prompt, ours in zip(PROMPTS + PROMPTS, tokens):
-        if prompt not in expected:
-            expected[prompt] = reference.greedy(reference.tokenizer(prompt)["input_ids"],
-                                                len(ours))
-        assert_matches_hf(ours, None, *expected[prompt], f"{context} {prompt[:20]!r}")
-
-
 @needs_mindformers()
 @pytest.mark.parametrize("name", [
     "qwen3-moe",
@@ -150,7 +132,7 @@ def test_mindformers_moe_serves_hf_tokens_with_chunked_prefill_and_prefix_cachin
     log = server.log_tail(100000)
     assert f"Built {model_class} with MindFormersBackend" in log
     assert max(cached) >= 16, f"no prefix-cache hit in the second round: {cached}"
-    assert_serves_hf_tokens(model, tokens, name)
+    assert_serves_hf_tokens(model, PROMPTS + PROMPTS, tokens, name)
 
 
 @needs_mindformers()
@@ -173,7 +155,7 @@ def test_native_and_mindformers_moe_serve_the_same_tokens(serve, tiny_model_fact
         expected = model_class if backend == "MindFormers" else "model_backends.native."
         assert f"Built {expected}" in log and f"with {backend}Backend" in log
     assert results["Native"] == results["MindFormers"]
-    assert_serves_hf_tokens(model, results["Native"], f"{name} Native")
+    assert_serves_hf_tokens(model, PROMPTS + PROMPTS, results["Native"], f"{name} Native")
 
 
 @slow("a server start; every run checks the override both ways: test_mindformers_yaml.py on the "
