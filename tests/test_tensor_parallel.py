@@ -32,8 +32,9 @@ def generate(model_dir, tp, **engine_args):
     """Greedy outputs for PROMPTS (8 tokens, top-2 logprobs) and each rank's weight bytes."""
     from vllm import LLM, SamplingParams
 
+    # A token budget of 64 bounds the graphs compiled at start-up (token sizes up to 64).
     llm = LLM(model=model_dir, tensor_parallel_size=tp, max_model_len=256, max_num_seqs=8,
-              kv_cache_memory_bytes=16 << 20, seed=0, **engine_args)
+              max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20, seed=0, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outputs = llm.generate(PROMPTS, params)
     weight_bytes = llm.collective_rpc("weight_bytes")
@@ -113,7 +114,8 @@ def test_mindformers_classes_at_tp2_match_tp1_and_hf(tiny_model_factory, monkeyp
 def test_worker_killed_mid_request_fails_requests_and_exits(serve, tiny_model_factory):
     model_dir = tiny_model_factory("LlamaForCausalLM", vocab_size=515)
     server = serve(model_dir, "--tensor-parallel-size", "2", "--max-model-len", "1024",
-                   "--kv-cache-memory-bytes", str(16 << 20))
+                   "--kv-cache-memory-bytes", str(16 << 20), "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "64")  # 13 graphs to compile, not 30
     port = server.port
     workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                if "Worker" in " ".join(p.cmdline())]
