@@ -9,7 +9,7 @@ from conftest import (PROMPTS, assert_serves_hf_tokens, finish_deepseek_checkpoi
 from test_moe_models import MODELS
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
-        str(8 << 20), "--block-size", "16")
+        str(8 << 20), "--block-size", "16", "--max-num-batched-tokens", "64")
 
 
 @pytest.fixture(scope="module")
