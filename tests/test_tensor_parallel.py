@@ -32,9 +32,10 @@ def generate(model_dir, tp, **engine_args):
     """Greedy outputs for PROMPTS (8 tokens, top-2 logprobs) and each rank's weight bytes."""
     from vllm import LLM, SamplingParams
 
-    # A token budget of 64 bounds the graphs compiled at start-up (token sizes up to 64).
-    llm = LLM(model=model_dir, tensor_parallel_size=tp, max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20, seed=0, **engine_args)
+    # A token budget of 64 (unless engine_args sets one) bounds the graphs compiled at start-up.
+    llm = LLM(**{"model": model_dir, "tensor_parallel_size": tp, "max_model_len": 256,
+                 "max_num_seqs": 8, "max_num_batched_tokens": 64,
+                 "kv_cache_memory_bytes": 16 << 20, "seed": 0, **engine_args})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outputs = llm.generate(PROMPTS, params)
     weight_bytes = llm.collective_rpc("weight_bytes")
