@@ -173,7 +173,7 @@ def served(request, tiny_model_factory):
     return name, model_dir, backend, requests, compiled
 
 
-def test_the_mindformers_class_runs(served):
+def test_the_mindformers_class_runs(served, monkeypatch):
     name, _, backend, _, compiled = served
     assert backend.name == "MindFormers"
     assert backend.implementation == MODELS[name][2]
@@ -186,6 +186,12 @@ def test_the_mindformers_class_runs(served):
     # Every step ran on the graphs compiled up front: 2 token counts + 1 logits row count.
     assert compiled == len(GRAPH_TOKENS) + 1 == backend.num_compiled_graphs()
     assert backend.weight_bytes() > 0
+    # Compiling `decode` for a token count the network has a graph for runs no step (on CPU,
+    # compiling the network means running it) and compiles nothing new.
+    steps_run = []
+    monkeypatch.setattr(backend, "forward", steps_run.append)
+    backend.compile_decode(make_step([], GRAPH_TOKENS[0]))
+    assert not steps_run and backend.num_compiled_graphs() == compiled
 
 
 def test_deepseek_kv_cache_is_the_latent(served):

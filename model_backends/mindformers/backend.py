@@ -126,6 +126,7 @@ class MindFormersBackend:
         self.key_caches: list | None = None
         self.value_caches: list | None = None
         self._phase: str | None = None
+        self._compiled_steps: set[tuple[int, bool]] = set()  # (tokens, prefill_only)
 
     @classmethod
     def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
@@ -362,8 +363,9 @@ class MindFormersBackend:
         if self.ascend:
             self._enter_phase(step.prefill_only)
             self.network.compile(*self._ascend_arguments(step))
-            return
-        self.forward(step)
+        else:
+            self.forward(step)
+        self._compiled_steps.add((len(step.input_ids), step.prefill_only))
 
     def forward(self, step) -> ms.Tensor:
         """StepTensors (T tokens) -> hidden [T, hidden], final norm applied."""
@@ -381,7 +383,11 @@ class MindFormersBackend:
         return self.logits_head(hidden)
 
     def compile_decode(self, step) -> None:
-        self.compile_step(step)
+        """`decode` runs `forward`'s graph then the head's: compile whichever is missing (the
+        runner's warm-up has compiled the network for every token count already, and on CPU
+        compiling it means running a step)."""
+        if (len(step.input_ids), step.prefill_only) not in self._compiled_steps:
+            self.compile_step(step)
         self.compile_logits(len(step.input_ids))
 
     def decode(self, step) -> ms.Tensor:
