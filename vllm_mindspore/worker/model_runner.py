@@ -109,6 +109,13 @@ class GraphSizes:
         return not self.static or num_tokens in self.decode_tokens
 
 
+def _padded(values: np.ndarray, size: int) -> np.ndarray:
+    """values followed by zeros up to `size` (np.pad costs ~10x more on a step's few values)."""
+    padded = np.zeros(size, values.dtype)
+    padded[:len(values)] = values
+    return padded
+
+
 class PromptRows(NamedTuple):
     start: int  # first prompt position scored this step
     count: int  # rows of logits (prompt positions start .. start + count - 1)
@@ -169,6 +176,7 @@ class MindSporeModelRunner:
         # req_id -> number of prompt logprobs requested (popped once the prompt is done)
         self.num_prompt_logprobs: dict[str, int] = {}
         self.pending: PendingStep | None = None
+        self.log_steps = envs.VLLM_MS_LOG_STEPS
 
         max_num_reqs = self.scheduler_config.max_num_seqs
         logits_processors = self.model_config.logits_processors
@@ -375,7 +383,7 @@ class MindSporeModelRunner:
                                            self.block_size, num_tokens)
         prefill_only = (not self.sizes.static and not pad and len(num_computed) > 0
                         and not num_computed.any())
-        return GraphCall(np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad)), metadata,
+        return GraphCall(_padded(input_ids, num_tokens), _padded(positions, num_tokens), metadata,
                          prefill_only, len(input_ids))
 
     def _tokens_across_dp(self, num_tokens: int) -> int:
@@ -442,13 +450,14 @@ class MindSporeModelRunner:
             metadata = dataclasses.replace(metadata, generators={
                 i: g for i, g in metadata.generators.items() if i not in set(partial.tolist())})
         sampler_output = self.sampler(sample_logits, metadata)
-        sampled = sampler_output.sampled_token_ids.tolist()
+        sampled_ids = sampler_output.sampled_token_ids.numpy()  # [R, 1]
+        sampled = sampled_ids.tolist()
         for i in partial:
             sampled[i] = []
 
         rows = np.array([i for i, token_ids in enumerate(sampled) if token_ids], np.int64)
         if len(rows):
-            tokens = sampler_output.sampled_token_ids[rows, 0].numpy()
+            tokens = sampled_ids[rows, 0]
             ends = batch.num_tokens_no_spec[rows]
             batch.token_ids_cpu[rows, ends] = tokens
             batch.is_token_ids[rows, ends] = True
@@ -466,7 +475,7 @@ class MindSporeModelRunner:
             prompt_logprobs_dict=self._prompt_logprobs(inputs.prompt_rows, logits[num_reqs:]),
             pooler_output=[],
         )
-        if envs.VLLM_MS_LOG_STEPS:
+        if self.log_steps:
             logger.info("step: %d reqs, %d tokens (padded to %d, %d call(s)), %d graph(s), %.1f ms",
                         num_reqs, int(inputs.num_scheduled.sum()), inputs.padded_tokens,
                         len(inputs.calls), self.num_graphs, (time.perf_counter() - start) * 1e3)
