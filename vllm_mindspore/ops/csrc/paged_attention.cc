@@ -332,6 +332,14 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
   // one request's decode still spreads over the threads.
   const int64_t head_chunk = std::min<int64_t>(group, 16);
   const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / head_chunk);
+  // Fewer requests than threads (a batch-1 decode): their KV heads go to separate items, so
+  // every thread attends (one item held all of a decode's heads while the other threads waited).
+  int64_t requests = 0;
+  for (int64_t row = 0; row < s.num_rows; ++row) requests += q_lens[row] > 0;
+  const int64_t items_per_request = (num_threads + std::max<int64_t>(requests, 1) - 1) /
+                                    std::max<int64_t>(requests, 1);
+  const int64_t most_kv_per_item = std::max<int64_t>(
+      1, (s.num_kv_heads + items_per_request - 1) / items_per_request);
   std::vector<Item> items;
   int64_t token = 0;
   for (int64_t row = 0; row < s.num_rows; ++row) {
@@ -342,9 +350,11 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
         seq_lens[row] > s.max_blocks * s.block_size) {
       return 1;  // inconsistent metadata: MindSpore raises instead of reading out of bounds
     }
-    // A decode's KV heads in one item, a prefill chunk's one KV head an item.
+    // A decode's KV heads in one item (up to most_kv_per_item), a prefill chunk's one KV head
+    // an item.
     const int64_t rows_per_kv_head = head_chunk * std::min(q_len, queries_per_item);
-    const int64_t kv_per_item = std::max<int64_t>(1, kRowsPerItem / rows_per_kv_head);
+    const int64_t kv_per_item =
+        std::min(most_kv_per_item, std::max<int64_t>(1, kRowsPerItem / rows_per_kv_head));
     for (int64_t kv0 = 0; kv0 < s.num_kv_heads; kv0 += kv_per_item)
       for (int64_t h0 = 0; h0 < group; h0 += head_chunk)
         for (int64_t q0 = 0; q0 < q_len; q0 += queries_per_item)
