@@ -19,6 +19,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The step token budget the engine tests run with: it bounds the graphs compiled at start-up
+# (one a token size up to it; longer prompts are prefilled in chunks). vLLM's default (8192 on
+# CPU) would compile ~30 graphs per engine on a 2-core machine.
+TOKEN_BUDGET = 64
 
 # Eight prompts of different lengths (1 to ~60 tokens), submitted together in the tests.
 

@@ -2,7 +2,7 @@
 safetensors, through vLLM's offline `LLM` API (real engine, real MindSpore graph)."""
 
 import pytest
-from conftest import PROMPTS, HFReference, assert_matches_hf, slow
+from conftest import PROMPTS, TOKEN_BUDGET, HFReference, assert_matches_hf, slow
 
 from vllm_mindspore.platform import cpu_has_bfloat16_dot
 
@@ -37,10 +37,8 @@ def make_llm():
     llms = []
 
     def make(model_dir: str, **kwargs):
-        # A token budget of 64 bounds the graphs compiled at start-up (token sizes up to 64;
-        # longer prompts are prefilled in chunks).
         args = dict(model=model_dir, max_model_len=512, max_num_seqs=8,
-                    max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20, seed=0)
+                    max_num_batched_tokens=TOKEN_BUDGET, kv_cache_memory_bytes=32 << 20, seed=0)
         args.update(kwargs)
         llms.append(LLM(**args))
         return llms[-1]

@@ -6,14 +6,14 @@ tests/test_expert_parallel.py's business.)"""
 
 import json
 
-from conftest import free_port
+from conftest import TOKEN_BUDGET, free_port
 from test_docs_blocks import BlockServer, block_env, doc_block, make_workdir, replace_checked, run_block
 
 # Bounds for a shared 2-core machine, added to the docs' commands: a small KV cache, fewer graph
-# sizes to compile (token budget 64: 7 decoder graphs instead of 12), and on the head one API
+# sizes to compile (TOKEN_BUDGET: 7 decoder graphs instead of 12), and on the head one API
 # server (vLLM starts one per data-parallel engine by default).
 SERVE_EXTRA = ("--kv-cache-memory-bytes", str(8 << 20), "--max-num-seqs", "4",
-               "--max-num-batched-tokens", "64")
+               "--max-num-batched-tokens", str(TOKEN_BUDGET))
 HEAD_EXTRA = ("--api-server-count", "1")
 
 

@@ -31,16 +31,16 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from conftest import PROMPTS, ROOT, free_port, greedy_tokens, slow
+from conftest import PROMPTS, ROOT, TOKEN_BUDGET, free_port, greedy_tokens, slow
 from test_docs_blocks import BlockServer, block_env, doc_block, make_workdir, replace_checked, run_block
 
 from model_backends import mindformers_installed
 
 SCRIPT = "scripts/ray_cluster.py"
 # Bounds for a shared 2-core machine, added to the docs' commands: a small KV cache instead of
-# the default share of host memory, and fewer graph sizes to compile (token budget 64).
+# the default share of host memory, and fewer graph sizes to compile (TOKEN_BUDGET).
 SERVE_EXTRA = ("--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "8",
-               "--max-num-batched-tokens", "64")
+               "--max-num-batched-tokens", str(TOKEN_BUDGET))
 MAX_TOKENS = 8
 
 

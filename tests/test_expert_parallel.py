@@ -4,12 +4,12 @@ dispatched with AllGather + AllReduce over MindSpore's mccl. Greedy tokens match
 
 import pytest
 
-from conftest import (PROMPTS, assert_serves_hf_tokens, finish_deepseek_checkpoint, free_port,
-                      greedy_tokens, slow)
+from conftest import (PROMPTS, TOKEN_BUDGET, assert_serves_hf_tokens, finish_deepseek_checkpoint,
+                      free_port, greedy_tokens, slow)
 from test_moe_models import MODELS
 
 ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory-bytes",
-        str(8 << 20), "--block-size", "16", "--max-num-batched-tokens", "64")
+        str(8 << 20), "--block-size", "16", "--max-num-batched-tokens", str(TOKEN_BUDGET))
 
 
 @pytest.fixture(scope="module")

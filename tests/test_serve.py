@@ -7,11 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import PROMPTS, HFReference, assert_matches_hf
+from conftest import PROMPTS, TOKEN_BUDGET, HFReference, assert_matches_hf
 
 MAX_TOKENS = 10
 SERVE_ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory-bytes",
-              str(32 << 20), "--max-num-batched-tokens", "64")
+              str(32 << 20), "--max-num-batched-tokens", str(TOKEN_BUDGET))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 import openai
 import psutil
 import pytest
-from conftest import (PROMPTS, ROOT, HFReference, assert_matches_hf, free_port,
+from conftest import (PROMPTS, ROOT, TOKEN_BUDGET, HFReference, assert_matches_hf, free_port,
                       needs_mindformers, slow)
 from test_moe_models import MODELS as MOE_MODELS
 from conftest import real_tiny_checkpoint
@@ -32,9 +32,8 @@ def generate(model_dir, tp, **engine_args):
     """Greedy outputs for PROMPTS (8 tokens, top-2 logprobs) and each rank's weight bytes."""
     from vllm import LLM, SamplingParams
 
-    # A token budget of 64 (unless engine_args sets one) bounds the graphs compiled at start-up.
     llm = LLM(**{"model": model_dir, "tensor_parallel_size": tp, "max_model_len": 256,
-                 "max_num_seqs": 8, "max_num_batched_tokens": 64,
+                 "max_num_seqs": 8, "max_num_batched_tokens": TOKEN_BUDGET,
                  "kv_cache_memory_bytes": 16 << 20, "seed": 0, **engine_args})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outputs = llm.generate(PROMPTS, params)
@@ -116,7 +115,7 @@ def test_worker_killed_mid_request_fails_requests_and_exits(serve, tiny_model_fa
     model_dir = tiny_model_factory("LlamaForCausalLM", vocab_size=515)
     server = serve(model_dir, "--tensor-parallel-size", "2", "--max-model-len", "1024",
                    "--kv-cache-memory-bytes", str(16 << 20), "--max-num-seqs", "4",
-                   "--max-num-batched-tokens", "64")  # 13 graphs to compile, not 30
+                   "--max-num-batched-tokens", str(TOKEN_BUDGET))  # 13 graphs, not 30
     port = server.port
     workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                if "Worker" in " ".join(p.cmdline())]
