@@ -208,9 +208,10 @@ def real_tiny_checkpoint(tiny_model_factory, arch: str, overrides: dict,
 
 class HFReference:
     """Greedy generation with HF transformers on the same folder, in float32. With
-    `rounding="bfloat16"` it rounds what vllm-mindspore's --dtype bfloat16 rounds on CPU, float32
-    everywhere else: every linear layer's input, and the keys and values attention reads (the
-    bfloat16 KV cache)."""
+    `rounding="bfloat16"` it rounds what vllm-mindspore's --dtype bfloat16 rounds on CPU with
+    vdpbf16ps, float32 everywhere else: every linear layer's input, and the keys and values
+    attention reads (the bfloat16 KV cache); with "bfloat16-cache" only the latter (the bfloat16
+    weights widened to float32, VLLM_MS_CPU_BF16_WIDEN=1)."""
 
     def __init__(self, model_dir: str, rounding: str = "float32"):
         import torch
@@ -221,7 +222,7 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.rounding = rounding
-        if rounding == "bfloat16":
+        if rounding in ("bfloat16", "bfloat16-cache"):
             def bfloat16_cache_attention(module, query, key, value, *args, **kwargs):
                 return sdpa_attention_forward(module, query, key.bfloat16().float(),
                                               value.bfloat16().float(), *args, **kwargs)

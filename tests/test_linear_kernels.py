@@ -2,7 +2,9 @@
 packed-panel matmul) against numpy in float64, for every weight dtype the kernels take: float32,
 float16 (activations float16 too) and bfloat16 (AVX512-BF16: float32 activations rounded to
 bfloat16 at the matmul's input, float32 sums). Shapes cover an odd K, N not a multiple of 32,
-decode-sized blocks (1, 8, 9 rows) and several row chunks (300 rows)."""
+decode-sized blocks (1, 8, 9 rows) and several row chunks (300 rows). bfloat16 weights are checked
+on each kernel the CPU has: vdpbf16ps, widened to float32 for FMAs (x not rounded), and AMX
+tiles."""
 
 import mindspore as ms
 import numpy as np
@@ -24,32 +26,37 @@ MS_DTYPES = {"float32": ms.float32, "float16": ms.float16}
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-5}
 NEEDS_BFLOAT16_DOT = pytest.mark.skipif(not cpu_has_bfloat16_dot(),
                                         reason="this CPU has no AVX512-BF16")
-# bfloat16 weights run on AMX tiles where the CPU has them ("bfloat16-amx"), else on vdpbf16ps
-# ("bfloat16"): both are checked where both exist.
+# bfloat16 weights run on vdpbf16ps ("bfloat16"), widened to float32 for FMAs ("bfloat16-widened",
+# the faster on Intel's AVX512-BF16 cores), or on AMX tiles where the CPU has them
+# ("bfloat16-amx"; steps of up to 4 rows on vdpbf16ps).
 WEIGHT_DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=NEEDS_BFLOAT16_DOT),
+                 pytest.param("bfloat16-widened", marks=NEEDS_BFLOAT16_DOT),
                  pytest.param("bfloat16-amx", marks=[NEEDS_BFLOAT16_DOT, pytest.mark.skipif(
                      not cpu_has_amx(), reason="this CPU has no AMX-BF16")])]
 
 
 @pytest.fixture
-def weight_dtype(request):
-    """The weights' dtype (request.param, with the bfloat16 kernel chosen for the test)."""
+def weight_kernel(request):
+    """(the weights' dtype, whether bfloat16 weights are widened) for request.param, with that
+    bfloat16 kernel chosen for the test."""
     dtype, _, unit = request.param.partition("-")
     if kernels.use_amx(unit == "amx") != (unit == "amx"):
         pytest.skip("the CPU reports AMX-BF16, but the kernels cannot use it (Linux refused the "
                     "tile state, or the library was built without -mamx-bf16)")
-    yield dtype
+    assert kernels.widen_bfloat16(unit == "widened") == (unit == "widened")
+    yield dtype, unit == "widened"
     kernels.use_amx(True)
+    kernels.widen_bfloat16(None)
 
 
 def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def matmul_inputs(x: np.ndarray, weight_dtype: str) -> np.ndarray:
+def matmul_inputs(x: np.ndarray, weight_dtype: str, widened: bool) -> np.ndarray:
     """What the kernel multiplies: x as the activation dtype holds it, rounded to bfloat16 when
-    the weights are bfloat16."""
-    return to_dtype(x, weight_dtype).astype(np.float64)
+    the weights are bfloat16 and not widened."""
+    return x.astype(np.float64) if widened else to_dtype(x, weight_dtype).astype(np.float64)
 
 
 def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parameter:
@@ -60,7 +67,7 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
         return parameter(pack_panels(weight, dtype), dtype, name)
 
 
-@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES, indirect=True)
+@pytest.mark.parametrize("weight_kernel", WEIGHT_DTYPES, indirect=True)
 # K = 600: AMX takes 18 tile steps and a tail of 24 k, the other kernels two passes of kDepth
 # (512 k), over the blocks of a chunk (64 rows: two 32-row blocks; 300: two chunks).
 @pytest.mark.parametrize("rows, in_features", [(1, 37), (8, 37), (9, 37), (300, 37), (9, 600),
@@ -68,7 +75,8 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
 # silu_and_mul with 70 outputs: the gate|up boundary inside a panel (a separate silu * up pass);
 # with 128 ("aligned"): at a panel boundary (silu * up in the matmul's blocks).
 @pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul", "silu_and_mul-aligned"])
-def test_packed_linear_matches_numpy(weight_dtype, rows, in_features, variant):
+def test_packed_linear_matches_numpy(weight_kernel, rows, in_features, variant):
+    weight_dtype, widened = weight_kernel
     g = np.random.default_rng(rows)
     variant, _, aligned = variant.partition("-")
     out_features = 128 if aligned else 70
@@ -77,7 +85,7 @@ def test_packed_linear_matches_numpy(weight_dtype, rows, in_features, variant):
     weight = to_dtype(g.standard_normal((out_features, in_features)) * 0.2, weight_dtype)
     bias = to_dtype(g.standard_normal(out_features), act_dtype)
 
-    expected = matmul_inputs(x, weight_dtype) @ weight.astype(np.float64).T
+    expected = matmul_inputs(x, weight_dtype, widened) @ weight.astype(np.float64).T
     args = [ms.Tensor(x, MS_DTYPES[act_dtype])]
     params = [packed_weight(weight, weight_dtype, "weight")]
     if variant == "bias":
@@ -94,11 +102,12 @@ def test_packed_linear_matches_numpy(weight_dtype, rows, in_features, variant):
                                atol=TOLERANCE[weight_dtype] * max(1.0, np.abs(expected).max()))
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", *WEIGHT_DTYPES[2:]], indirect=True)
+@pytest.mark.parametrize("weight_kernel", ["float32", *WEIGHT_DTYPES[2:]], indirect=True)
 @pytest.mark.parametrize("inter", [40, 64])  # 64: silu * up in the matmul's blocks
-def test_moe_experts_match_numpy(weight_dtype, inter):
+def test_moe_experts_match_numpy(weight_kernel, inter):
     """Each token's top-k experts: silu(x . gate) * (x . up) . down, weighted and summed; ids
     outside this rank's experts (-1, 4) contribute nothing."""
+    weight_dtype, widened = weight_kernel
     g = np.random.default_rng(0)
     tokens, hidden, experts, top_k = 30, 48, 4, 2
     x = g.standard_normal((tokens, hidden)).astype(np.float32)
@@ -115,9 +124,10 @@ def test_moe_experts_match_numpy(weight_dtype, inter):
         for k in range(top_k):
             e = ids[t, k]
             if 0 <= e < experts:
-                gate, up = np.split(matmul_inputs(x[t], weight_dtype) @ gate_up[e].T, 2)
+                gate, up = np.split(matmul_inputs(x[t], weight_dtype, widened) @ gate_up[e].T, 2)
                 act = np.asarray(silu(gate) * up, np.float32)
-                expected[t] += weights[t, k] * (matmul_inputs(act, weight_dtype) @ down[e].T)
+                expected[t] += weights[t, k] * (matmul_inputs(act, weight_dtype, widened)
+                                                @ down[e].T)
 
     dispatch = MoEDispatch(experts)
     with packing_bfloat16(weight_dtype == "bfloat16"):

@@ -78,6 +78,14 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "CPU, --dtype bfloat16: 1 (default) runs the dense matmuls on AMX tiles where the CPU has "
         "them (Intel Sapphire Rapids and later); 0 keeps the AVX512-BF16 kernels.",
     ),
+    "VLLM_MS_CPU_BF16_WIDEN": (
+        _choice("VLLM_MS_CPU_BF16_WIDEN", ("auto", "1", "0"), "auto"),
+        "CPU, --dtype bfloat16, without AMX: 1 widens the bfloat16 weights to float32 and "
+        "multiplies them with float32 FMAs (activations not rounded); 0 multiplies them with "
+        "AVX512-BF16's vdpbf16ps (activations rounded to bfloat16); auto (default) takes the one "
+        "measured faster on this CPU at start-up (widening on Intel's AVX512-BF16 cores, where "
+        "vdpbf16ps runs at half the FMAs' rate). Set 1 or 0 for the same numerics on every host.",
+    ),
     "VLLM_MODEL_BACKEND": (
         _first_set("vLLM_MODEL_BACKEND", "VLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND"),
         "Model backend: MindFormers or Native (case-insensitive); read from vLLM_MODEL_BACKEND "

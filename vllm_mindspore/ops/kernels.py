@@ -82,6 +82,13 @@ def use_amx(wanted: bool) -> bool:
     return bool(ctypes.CDLL(library_path()).UseAmx(int(wanted)))
 
 
+def widen_bfloat16(setting: bool | None = None) -> bool:
+    """Whether the bfloat16 matmul widens its weights to float32 for FMAs on steps of more than a
+    few rows (True), multiplies them with vdpbf16ps (False), or (None, the default) does whichever
+    it measures faster on this CPU -> whether it widens."""
+    return bool(ctypes.CDLL(library_path()).WidenBf16(-1 if setting is None else int(setting)))
+
+
 def custom_op(function: str, out_shape, out_dtype):
     """`ops.Custom` running `function` of the kernel library; out_shape/out_dtype map the input
     shapes/dtypes to the output's."""

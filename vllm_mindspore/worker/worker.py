@@ -30,7 +30,8 @@ def init_mindspore(device_index: int, cpu_threads: int, bfloat16_weights: bool) 
     infer_boost (which selects the fused inference kernels and feeds them the per-request
     lengths by graph-input name); on CPU this rank's share of the cores for MindSpore's op
     threads and the plugin's kernels (MindSpore's default, 25 op threads, oversubscribes small
-    hosts), and AMX for the matmuls of bfloat16 weights where the CPU has it."""
+    hosts), and how the matmuls of bfloat16 weights run: AMX tiles where the CPU has them,
+    else widened to float32 FMAs or on vdpbf16ps, whichever is faster here."""
     os.environ.setdefault("GLOG_v", "3")  # read once, at `import mindspore`
     import mindspore as ms
 
@@ -51,8 +52,17 @@ def init_mindspore(device_index: int, cpu_threads: int, bfloat16_weights: bool) 
     # a user's OMP_NUM_THREADS): OMP_NUM_THREADS is set for the host's OpenMP programs, and the
     # model's kernels here use their own pool (`kernels.set_num_threads`), not OpenMP.
     torch.set_num_threads(1)
-    if kernels.use_amx(envs.VLLM_MS_CPU_AMX) and bfloat16_weights:
+    amx = kernels.use_amx(envs.VLLM_MS_CPU_AMX)
+    if not bfloat16_weights:
+        return
+    widen = envs.VLLM_MS_CPU_BF16_WIDEN
+    widened = kernels.widen_bfloat16(None if widen == "auto" else widen == "1")
+    if amx:
         logger.info("CPU kernels: bfloat16 matmuls on AMX tiles (VLLM_MS_CPU_AMX=0: AVX512-BF16)")
+    elif widened:
+        logger.info("CPU kernels: bfloat16 weights widened to float32 for FMAs (%s; "
+                    "VLLM_MS_CPU_BF16_WIDEN=0: vdpbf16ps)",
+                    "measured faster here" if widen == "auto" else "VLLM_MS_CPU_BF16_WIDEN=1")
 
 
 class MindSporeWorker(WorkerBase):

@@ -10,6 +10,12 @@
 // row's two bfloat16 activations and adds both products to 16 float32 accumulators (twice the
 // float32 FMA's rate). The rows of x are rounded to bfloat16 for it; sums stay float32.
 //
+// Where vdpbf16ps runs at half the float32 FMA's rate (Intel's AVX512-BF16 cores: 80 against
+// 150 GFLOP/s a core measured on an Emerald Rapids), the same panels are widened to float32
+// instead (a bfloat16 is a float32's upper half: one shift or mask each) and multiplied by the
+// float32 rows of x (not rounded) with FMAs, 8 rows a block; which of the two is faster is
+// measured once per process (widen_bf16).
+//
 // On CPUs with AMX (Intel Sapphire Rapids and later) the same panels are read as tiles: one
 // TDPBF16PS multiplies 16 rows x 32 k of x by 32 k x 16 columns of a panel (the pairs layout is
 // the tile instruction's too), 8x the multiply-adds per cycle of vdpbf16ps.
@@ -21,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -128,13 +135,102 @@ void block(const uint32_t *__restrict a, int64_t lda, const bf16 *__restrict pan
 #endif
 }
 
-template <typename W, int R = kSmallRows>
-void block_n(int rows, const typename PanelFormat<W>::Step *a, int64_t lda, const W *panel,
-             int64_t depth, float *c, int64_t ldc, bool accumulate) {
+// The same over bfloat16 pairs widened to float32, x's rows float32: a[i * lda + 2p] and
+// a[i * lda + 2p + 1] are row i's k = 2p, 2p + 1 (lda even). One or two rows (a decode) sum the
+// odd k apart, so that each accumulator takes one FMA a pair, not a chain of two.
+template <int R>
+void block(const float *__restrict a, int64_t lda, const bf16 *__restrict panel, int64_t pairs,
+           float *__restrict c, int64_t ldc, bool accumulate) {
+#if defined(__AVX512F__)
+  constexpr bool kOddApart = R <= 2;
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 lo[R], hi[R], lo_odd[R], hi_odd[R];
+  for (int i = 0; i < R; ++i) {
+    lo[i] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+    hi[i] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+    lo_odd[i] = hi_odd[i] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i w0 = _mm512_loadu_si512(panel + p * 2 * kPanel);
+    const __m512i w1 = _mm512_loadu_si512(panel + p * 2 * kPanel + kPanel);
+    // columns 0-15 | 16-31 at k = 2p (the pairs' lower halves) and 2p + 1 (their upper halves)
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, upper));
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, upper));
+    for (int i = 0; i < R; ++i) {
+      const __m512 a0 = _mm512_set1_ps(a[i * lda + 2 * p]);
+      const __m512 a1 = _mm512_set1_ps(a[i * lda + 2 * p + 1]);
+      if constexpr (kOddApart) {
+        lo[i] = _mm512_fmadd_ps(a0, even0, lo[i]);
+        lo_odd[i] = _mm512_fmadd_ps(a1, odd0, lo_odd[i]);
+        hi[i] = _mm512_fmadd_ps(a0, even1, hi[i]);
+        hi_odd[i] = _mm512_fmadd_ps(a1, odd1, hi_odd[i]);
+      } else {
+        lo[i] = _mm512_fmadd_ps(a1, odd0, _mm512_fmadd_ps(a0, even0, lo[i]));
+        hi[i] = _mm512_fmadd_ps(a1, odd1, _mm512_fmadd_ps(a0, even1, hi[i]));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(c + i * ldc, _mm512_add_ps(lo[i], lo_odd[i]));
+    _mm512_storeu_ps(c + i * ldc + 16, _mm512_add_ps(hi[i], hi_odd[i]));
+  }
+#else
+  (void)a, (void)lda, (void)panel, (void)pairs, (void)c, (void)ldc, (void)accumulate;
+#endif
+}
+
+// block<rows> for 1 <= rows <= R; A is what x's rows enter as (the overloads above tell the
+// kernel by it and W: float over float/float16 panels, bfloat16 pairs (uint32_t) or float over
+// bfloat16 panels).
+template <typename W, int R = kSmallRows, typename A>
+void block_n(int rows, const A *a, int64_t lda, const W *panel, int64_t depth, float *c,
+             int64_t ldc, bool accumulate) {
   if constexpr (R > 1) {
     if (rows < R) return block_n<W, R - 1>(rows, a, lda, panel, depth, c, ldc, accumulate);
   }
   block<R>(a, lda, panel, depth, c, ldc, accumulate);
+}
+
+// Whether bfloat16 panels are widened for FMAs (1), multiplied by vdpbf16ps (0), or measured (-1:
+// the faster of the two on prefill-sized blocks in L1, per row, taken once per process).
+inline int widen_bf16_setting = -1;
+
+inline bool widening_is_faster() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  constexpr int64_t kPairs = 128;  // a 16 KB panel and x's rows in L1
+  std::vector<bf16> panel(kPairs * 2 * kPanel);
+  for (size_t j = 0; j < panel.size(); ++j)
+    from_float(0.01f * static_cast<float>(j % 97), &panel[j]);
+  std::vector<float> x(kSmallRows * 2 * kPairs, 0.5f), c(kSmallRows * kPanel);
+  std::vector<uint32_t> pairs(kRows * kPairs, 0x3f003f00u);
+  auto best_of = [&](auto &&run) {
+    double best = 1e30;
+    for (int trial = 0; trial < 7; ++trial) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int call = 0; call < 64; ++call) run();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                          start).count());
+    }
+    return best;
+  };
+  const double dot_per_row = best_of([&] {
+    block<kRows>(pairs.data(), kPairs, panel.data(), kPairs, c.data(), kPanel, false);
+  }) / kRows;
+  const double widened_per_row = best_of([&] {
+    block<kSmallRows>(x.data(), 2 * kPairs, panel.data(), kPairs, c.data(), kPanel, false);
+  }) / kSmallRows;
+  return widened_per_row < dot_per_row;
+#else
+  return false;
+#endif
+}
+
+inline bool widen_bf16() {
+  if (widen_bf16_setting >= 0) return widen_bf16_setting != 0;
+  static const bool faster = widening_is_faster();
+  return faster;
 }
 
 // The rows of x as the panels of W read them: x itself, or (bfloat16 W) each row rounded to
@@ -373,7 +469,8 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
 #endif
 
 // y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias), in blocks of kRows
-// rows (a decode step's M <= kSmallRows rows in one block) and chunks of about kRowChunk rows;
+// rows (widened bfloat16: kSmallRows; a decode step's M <= kSmallRows rows in one block) and
+// chunks of about kRowChunk rows (whole blocks of either);
 // `gated` (N = 2I, I a multiple of 32): y [M, I] = silu(gate) * up of the gate|up projection W.
 constexpr int64_t kRowChunk = 16 * kRows;
 
@@ -389,17 +486,30 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
 #endif
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
-  thread_local std::vector<uint32_t> step_buffer;
-  const auto *a = as_steps<W>(x, M, K, steps, M, step_buffer, parallel);
   const Panels panels{packed, steps * per_step * kPanel * static_cast<int64_t>(sizeof(W))};
-  for_each_output_block(gated, M, M, kRowChunk, M <= kSmallRows ? M : kRows, N, bias, y, ldy,
-                        parallel, panels,
-                 [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
-    const W *panel = panels.panel<W>(p);
-    for (int64_t s0 = 0; s0 < steps; s0 += depth)
-      block_n(static_cast<int>(block), a + i * steps + s0, steps, panel + s0 * per_step * kPanel,
-              std::min(depth, steps - s0), c, ldc, s0 > 0);
-  });
+  // a: x's rows as the block kernel reads them, lda apart, a_step elements per step of k
+  auto run = [&](const auto *a, int64_t lda, int64_t a_step, int64_t block_rows) {
+    for_each_output_block(gated, M, M, kRowChunk, M <= kSmallRows ? M : block_rows, N, bias, y,
+                          ldy, parallel, panels,
+                   [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
+      const W *panel = panels.panel<W>(p);
+      for (int64_t s0 = 0; s0 < steps; s0 += depth)
+        block_n(static_cast<int>(block), a + i * lda + s0 * a_step, lda,
+                panel + s0 * per_step * kPanel, std::min(depth, steps - s0), c, ldc, s0 > 0);
+    });
+  };
+  if constexpr (std::is_same_v<W, bf16>) {
+    if (widen_bf16()) {
+      if (K % 2 == 0) return run(x, K, 2, kSmallRows);
+      thread_local std::vector<float> even_rows;  // an odd K's rows padded with a zero k
+      even_rows.assign(M * (K + 1), 0.0f);
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(&even_rows[m * (K + 1)], x + m * K, K * sizeof(float));
+      return run(even_rows.data(), K + 1, 2, kSmallRows);
+    }
+  }
+  thread_local std::vector<uint32_t> step_buffer;
+  run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1, kRows);
 }
 
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], 16 values at

@@ -76,6 +76,13 @@ int UseAmx(int wanted) {
   return vllm_ms::amx_wanted && vllm_ms::amx_available();
 }
 
+// Whether the bfloat16 matmul widens its panels for float32 FMAs (`setting` 1), keeps vdpbf16ps
+// (0) or takes the one it measures faster on this CPU (-1, the default) -> 1 if it widens.
+int WidenBf16(int setting) {
+  vllm_ms::widen_bf16_setting = setting;
+  return vllm_ms::widen_bf16();
+}
+
 // x [M, K], packed [P, K, 32] or [P, ceil(K / 2), 32, 2] -> y [M, N]
 int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
            void *, void *) {
