@@ -83,9 +83,9 @@ def use_amx(wanted: bool) -> bool:
 
 
 def widen_bfloat16(setting: bool | None = None) -> bool:
-    """Whether the bfloat16 matmul widens its weights to float32 for FMAs on steps of more than a
-    few rows (True), multiplies them with vdpbf16ps (False), or (None, the default) does whichever
-    it measures faster on this CPU -> whether it widens."""
+    """Whether the bfloat16 matmul widens its weights to float32 for FMAs (True), multiplies them
+    with vdpbf16ps (False), or (None, the default) does whichever it measures faster on this CPU
+    -> whether it widens. AMX, where it runs, takes steps of more than 4 rows either way."""
     return bool(ctypes.CDLL(library_path()).WidenBf16(-1 if setting is None else int(setting)))
 
 

@@ -173,8 +173,12 @@ void block(const float *__restrict a, int64_t lda, const bf16 *__restrict panel,
     }
   }
   for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(c + i * ldc, _mm512_add_ps(lo[i], lo_odd[i]));
-    _mm512_storeu_ps(c + i * ldc + 16, _mm512_add_ps(hi[i], hi_odd[i]));
+    if constexpr (kOddApart) {
+      lo[i] = _mm512_add_ps(lo[i], lo_odd[i]);
+      hi[i] = _mm512_add_ps(hi[i], hi_odd[i]);
+    }
+    _mm512_storeu_ps(c + i * ldc, lo[i]);
+    _mm512_storeu_ps(c + i * ldc + 16, hi[i]);
   }
 #else
   (void)a, (void)lda, (void)panel, (void)pairs, (void)c, (void)ldc, (void)accumulate;
