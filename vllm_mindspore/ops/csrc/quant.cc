@@ -124,6 +124,7 @@ inline Panels int8_panels(const int8_t *packed, int64_t K4) { return {packed, K4
 inline void int8_block(const uint8_t *u, int64_t K4, const Panels &panels, const int32_t *corr,
                        int64_t i, int64_t rows, int64_t p, int64_t columns, int32_t *c,
                        int64_t ldc) {
+  lookahead().flush();  // qblock does not ask for the next panel's lines as it goes
   qblock_n(static_cast<int>(rows), u + i * K4 * 4, K4 * 4, panels.panel<int8_t>(p), K4, c, ldc);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < columns; ++j)  // unsigned: wrapping int32 arithmetic
