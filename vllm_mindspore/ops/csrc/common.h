@@ -113,6 +113,38 @@ inline void prefetch(const void *start, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
+// Lines a kernel's loop asks for one or two at a time as it computes: the data its next part
+// will read (the next weight panel, the next block's values, the next request's keys). Asked
+// for in one burst ahead of the loop, 64 lines or more filled the core's miss buffers and the
+// loop's own loads waited behind them (matmuls of 64-128 rows 12-23% longer, a decode step's
+// attention 7-13%, standalone). The pair's range (the up panel of a gate panel) follows the
+// first.
+struct Lookahead {
+  const char *next = nullptr, *end = nullptr, *next_pair = nullptr, *end_pair = nullptr;
+
+  void ask() {
+    if (next < end) {
+      __builtin_prefetch(next, 0, 1);
+      next += 64;
+    } else if (next_pair < end_pair) {
+      __builtin_prefetch(next_pair, 0, 1);
+      next_pair += 64;
+    }
+  }
+  // The rest at once (a loop shorter than its share), and none left.
+  void flush() {
+    if (next < end) prefetch(next, end - next);
+    if (next_pair < end_pair) prefetch(next_pair, end_pair - next_pair);
+    *this = {};
+  }
+};
+
+// This thread's lines to ask for; a kernel keeps a copy in registers for its loop.
+inline Lookahead &lookahead() {
+  thread_local Lookahead lines;
+  return lines;
+}
+
 // dst[0:n] = src[0:n], float16 / bfloat16 <-> float32 16 lanes at a time (one value at a time made
 // a float16 batch step slower than a float32 one).
 template <typename S, typename D>

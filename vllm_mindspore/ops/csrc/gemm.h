@@ -71,41 +71,10 @@ inline bool amx_available() {
 #endif
 }
 
-// The lines of the next panel a block kernel asks for while it computes, one every
-// kStepsPerLine steps of k (for_each_block hands each block of an item its share). Asked for in
-// one burst at the block's start, a share of 64 lines or more filled the core's miss buffers and
-// the block's own loads waited behind them: the model's matmuls of 64 and 128 rows (decode steps
-// of many requests) took 12-23% longer, standalone, in every kernel (float32, vdpbf16ps,
-// widened).
-struct Lookahead {
-  static constexpr int64_t kStepsPerLine = 2;
-  const char *next = nullptr, *end = nullptr, *next_pair = nullptr, *end_pair = nullptr;
-
-  // The line for step s of the block's loop, if s is one that asks; the pair's range (the up
-  // panel's share of a gate panel's) follows the first.
-  void step(int64_t s) {
-    if (s % kStepsPerLine != 0) return;
-    if (next < end) {
-      __builtin_prefetch(next, 0, 1);
-      next += 64;
-    } else if (next_pair < end_pair) {
-      __builtin_prefetch(next_pair, 0, 1);
-      next_pair += 64;
-    }
-  }
-  // The rest at once (a block shorter than its share).
-  void flush() {
-    if (next < end) prefetch(next, end - next);
-    if (next_pair < end_pair) prefetch(next_pair, end_pair - next_pair);
-    *this = {};
-  }
-};
-
-// This thread's stream; a kernel keeps a copy in registers for its loop.
-inline Lookahead &lookahead() {
-  thread_local Lookahead stream;
-  return stream;
-}
+// A block kernel asks for one line of its share of the next panel (Lookahead, which
+// for_each_block hands each block of an item) every kStepsPerLine steps of k: the share is
+// covered within the block's loop on the model's shapes.
+constexpr int64_t kStepsPerLine = 2;
 
 // How a panel of W stores its k: one float32/float16 value per k, or bfloat16 pairs of k (the
 // rows of x then enter as pairs too: Step is the element one k step of a row reads).
@@ -131,7 +100,7 @@ void block(const float *__restrict a, int64_t lda, const W *__restrict panel, in
   }
   Lookahead ahead = lookahead();
   for (int64_t k = 0; k < depth; ++k) {
-    ahead.step(k);
+    if (k % kStepsPerLine == 0) ahead.ask();
     const lanes b0 = load_lanes(panel + k * kPanel), b1 = load_lanes(panel + k * kPanel + 16);
     for (int i = 0; i < R; ++i) {
       const float ak = a[i * lda + k];
@@ -158,7 +127,7 @@ void block(const uint32_t *__restrict a, int64_t lda, const bf16 *__restrict pan
   }
   Lookahead ahead = lookahead();
   for (int64_t p = 0; p < pairs; ++p) {
-    ahead.step(p);
+    if (p % kStepsPerLine == 0) ahead.ask();
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kPanel);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kPanel + kPanel);
     for (int i = 0; i < R; ++i) {
@@ -194,7 +163,7 @@ void block(const float *__restrict a, int64_t lda, const bf16 *__restrict panel,
   }
   Lookahead ahead = lookahead();
   for (int64_t p = 0; p < pairs; ++p) {
-    ahead.step(p);
+    if (p % kStepsPerLine == 0) ahead.ask();
     const __m512i w0 = _mm512_loadu_si512(panel + p * 2 * kPanel);
     const __m512i w1 = _mm512_loadu_si512(panel + p * 2 * kPanel + kPanel);
     // columns 0-15 | 16-31 at k = 2p (the pairs' lower halves) and 2p + 1 (their upper halves)

@@ -82,13 +82,16 @@ void block_scores(const float *__restrict q, const C *__restrict kt, int64_t D, 
   for (; c + kLanes <= bs; c += kLanes) {
     lanes even[R] = {}, odd[R] = {};
     int64_t d = 0;
+    Lookahead ahead = lookahead();
     for (; d + 1 < D; d += 2) {
+      ahead.ask();
       const lanes k0 = load_lanes(kt + d * bs + c), k1 = load_lanes(kt + (d + 1) * bs + c);
       for (int r = 0; r < R; ++r) {
         even[r] += q[r * D + d] * k0;
         odd[r] += q[r * D + d + 1] * k1;
       }
     }
+    lookahead() = ahead;
     if (d < D) {
       const lanes k0 = load_lanes(kt + d * bs + c);
       for (int r = 0; r < R; ++r) even[r] += q[r * D + d] * k0;
@@ -113,7 +116,10 @@ int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const V *__r
     lanes acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < C; ++j) acc[r][j] = load_lanes(out + r * Dv + c + j * kLanes);
+    Lookahead ahead = lookahead();
     for (int64_t k = 0; k < keys; ++k) {
+      ahead.ask();
+      ahead.ask();
       lanes vk[C];
       for (int j = 0; j < C; ++j) vk[j] = load_lanes(v + k * Dv + c + j * kLanes);
       for (int r = 0; r < R; ++r) {
@@ -121,6 +127,7 @@ int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const V *__r
         for (int j = 0; j < C; ++j) acc[r][j] += pk * vk[j];
       }
     }
+    lookahead() = ahead;
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < C; ++j) store_lanes(out + r * Dv + c + j * kLanes, acc[r][j]);
   }
@@ -212,10 +219,10 @@ inline float softmax_numerators(float *p, int64_t n, int64_t width) {
 // heads, which lie next to each other in the cache: a decode's item reads each block as one
 // contiguous run (4 KB for two heads in bfloat16) rather than one short run per KV head's item.
 // So that each pass finds its blocks on the way, the scores pass prefetches the values' blocks
-// and the values pass the keys' blocks of `next` (the next item this thread runs, if any): a
-// decode item computes for less time than its blocks take to arrive from memory, and asking
-// only at a pass's start left them in flight (decode of 64 requests, standalone: 20-25% less
-// time on one thread and on two).
+// and the values pass the keys' blocks of `next` (the next item this thread runs, if any),
+// a line or two per step of their loops (Lookahead): a decode item computes for less time than
+// its blocks take to arrive from memory, and asking only at a pass's start left them in flight
+// (decode of 64 requests, standalone: 20-25% less time on one thread and on two).
 template <typename T, typename C>
 void attend(const Shape &s, const Item &item, const T *query, const C *key_cache,
             const C *value_cache, const int32_t *block_table, T *out, const Item *next,
@@ -255,11 +262,18 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   // its share up to block `next_blocks * (j + 1) / num_blocks`).
   const int64_t next_blocks = next ? (next->context_start + next->q1 + bs - 1) / bs : 0;
   int64_t next_prefetched = 0;
+  // The last of a visit's blocks is asked for by the values loops (Lookahead).
   auto prefetch_next_keys = [&](int64_t j) {
+    lookahead().flush();
     const int64_t until = next_blocks * (j + 1) / num_blocks;
     for (; next_prefetched < until; ++next_prefetched) {
-      prefetch(key_cache + (next_block_table[next_prefetched] * s.num_kv_heads + next->kv0) * D * bs,
-               (next->kv1 - next->kv0) * D * bs * sizeof(C));
+      const char *keys = reinterpret_cast<const char *>(
+          key_cache + (next_block_table[next_prefetched] * s.num_kv_heads + next->kv0) * D * bs);
+      const int64_t bytes = (next->kv1 - next->kv0) * D * bs * sizeof(C);
+      if (next_prefetched + 1 < until)
+        prefetch(keys, bytes);
+      else
+        lookahead() = {keys, keys + bytes};
     }
   };
   // Queries before position j * bs see nothing of block j: rows before this one skip it.
@@ -269,7 +283,12 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
 
   visit_prefetched(num_blocks, kv_heads * D * bs * sizeof(C), key_block, [&](int64_t j) {
-    if (!s.latent) prefetch(value_block(j), value_bytes);
+    // this block's values: asked for by the scores loops (Lookahead)
+    lookahead().flush();
+    if (!s.latent) {
+      const char *values = reinterpret_cast<const char *>(value_block(j));
+      lookahead() = {values, values + value_bytes};
+    }
     for (int64_t g = 0; g < kv_heads; ++g) {
       const float *qg = q + g * rows * D;
       float *pg = p + g * rows * width;
@@ -307,6 +326,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
       for (int64_t g = 0; g < kv_heads; ++g) add_values(j, g, value_block(j) + g * bs * Dv);
     }
   }
+  lookahead().flush();
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t i = item.q0; i < item.q1; ++i) {
       for (int64_t h = 0; h < heads; ++h) {
