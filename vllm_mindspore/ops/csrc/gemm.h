@@ -72,8 +72,9 @@ inline bool amx_available() {
 }
 
 // A block kernel asks for one line of its share of the next panel (Lookahead, which
-// for_each_block hands each block of an item) every kStepsPerLine steps of k: the share is
-// covered within the block's loop on the model's shapes.
+// for_each_block hands each block of an item) every kStepsPerLine steps of k: within the loop
+// for an item of 64 rows or more on the model's shapes; what a block leaves goes at the next
+// block's start.
 constexpr int64_t kStepsPerLine = 2;
 
 // How a panel of W stores its k: one float32/float16 value per k, or bfloat16 pairs of k (the
@@ -481,7 +482,7 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
                                    parallel, panels,
                             [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
                                 int64_t ldc) {
-    lookahead().flush();  // the tile loop asks for its own panel's lines (amx_block)
+    lookahead().flush();  // amx_block asks ahead within its own panel only: the share at once
     const bf16 *panel = panels.panel<bf16>(p);
     if (tiled > 0) {
       if (block == 32)
