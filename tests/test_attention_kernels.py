@@ -2,22 +2,26 @@
 against numpy float64 causal attention, for each pair of activation and cache dtypes they take:
 float32 over a float32 cache, float16 over float16, float32 over bfloat16 (--dtype bfloat16 on
 CPU). Two calls share the cache: a step of two prefills (one across a block boundary), then a step
-of a third prefill beside two decodes that read the first step's keys and values back."""
+of a third prefill beside two decodes that read the first step's keys and values back. The GQA
+kernel also runs with the rotary embedding applied inside it (neox halves over part of each head,
+interleaved pairs over all of it), fed the fused q|k|v rows unrotated."""
 
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import nn
+from vllm.config import VllmConfig, set_current_vllm_config
 
 from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention
 from vllm_mindspore.ops.host import parameter, to_host
 from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.quant_reference import to_dtype
+from vllm_mindspore.ops.rotary import RotaryEmbedding, rope_cos_sin
 
 ms.set_context(mode=ms.GRAPH_MODE)
 pytestmark = pytest.mark.usefixtures("two_kernel_threads")  # the parallel splits too
 
-HEADS, BLOCK_SIZE, NUM_BLOCKS = 4, 16, 8
+HEADS, BLOCK_SIZE, NUM_BLOCKS, MAX_POSITION = 4, 16, 8, 64
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
@@ -46,8 +50,57 @@ class GroupedQueryStep(nn.Cell):
     def inputs(queries, keys, values):
         return np.concatenate([queries, keys], axis=1), values.reshape(len(values), -1)
 
+    @staticmethod
+    def rotated(queries, keys, positions):
+        """The queries and keys the attention computes with (entered rotated)."""
+        return queries, keys
+
     def construct(self, qk, v, positions, *metadata):
         return self.attn(qk, v, self.key_cache, self.value_cache, positions, *metadata)
+
+
+class RotaryStep(GroupedQueryStep):
+    """The GQA call with the rotary embedding inside the kernel: each token's fused q|k|v row
+    [T, (H + 2 KVH) * D] enters as both qk and v, q and k unrotated; neox halves over the first
+    ROTARY channels of each head."""
+
+    NEOX, ROTARY = True, 16
+
+    def __init__(self, cache_dtype):
+        super().__init__(cache_dtype)
+        with set_current_vllm_config(VllmConfig()):  # vLLM's get_rope reads it
+            rotary = RotaryEmbedding(self.HEAD_SIZE, self.ROTARY, MAX_POSITION, None, self.NEOX,
+                                     heads=HEADS + self.KV_HEADS)
+        self.attn = PagedAttention(HEADS, self.KV_HEADS, self.HEAD_SIZE, self.SCALE, BLOCK_SIZE,
+                                   rotary=rotary)
+
+    @staticmethod
+    def inputs(queries, keys, values):
+        rows = np.concatenate([a.reshape(len(a), -1) for a in (queries, keys, values)], axis=1)
+        return rows, rows
+
+    @classmethod
+    def rotated(cls, queries, keys, positions):
+        with set_current_vllm_config(VllmConfig()):
+            cos, sin = rope_cos_sin(cls.HEAD_SIZE, cls.ROTARY, MAX_POSITION, None, cls.NEOX)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]  # [T, 1, ROTARY / 2]
+
+        def rotate(x):
+            x = x.astype(np.float64).copy()
+            half = cls.ROTARY // 2
+            first = np.arange(half) if cls.NEOX else 2 * np.arange(half)
+            second = first + half if cls.NEOX else first + 1
+            x1, x2 = x[..., first].copy(), x[..., second].copy()
+            x[..., first], x[..., second] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+            return x
+
+        return rotate(queries), rotate(keys)
+
+
+class RotaryInterleavedStep(RotaryStep):
+    """The same with interleaved (GPT-J) pairs over the whole head."""
+
+    NEOX, ROTARY = False, GroupedQueryStep.HEAD_SIZE
 
 
 class LatentStep(nn.Cell):
@@ -73,6 +126,8 @@ class LatentStep(nn.Cell):
     def inputs(queries, keys, values):
         return queries, keys.reshape(len(keys), -1)
 
+    rotated = GroupedQueryStep.rotated
+
     def construct(self, query, latent, positions, *metadata):
         return self.attn.kernel(query, latent, self.cache, *metadata, self.attn.scale_tensor)
 
@@ -92,7 +147,8 @@ def reference(queries, keys, values, scale):
     return out
 
 
-@pytest.mark.parametrize("layer", [GroupedQueryStep, LatentStep], ids=["gqa", "mla"])
+@pytest.mark.parametrize("layer", [GroupedQueryStep, RotaryStep, RotaryInterleavedStep, LatentStep],
+                         ids=["gqa", "gqa-rotary-neox", "gqa-rotary-interleaved", "mla"])
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", [
     ("float32", "float32", 1e-5), ("float16", "float16", 2e-3), ("float32", "bfloat16", 1e-5)])
 def test_paged_attention_matches_numpy(layer, dtype, cache_dtype, tolerance):
@@ -116,6 +172,9 @@ def test_paged_attention_matches_numpy(layer, dtype, cache_dtype, tolerance):
         out = step(*(ms.Tensor(a, MS_DTYPES[dtype]) for a in layer.inputs(queries, keys, values)),
                    ms.Tensor(positions.astype(np.int32)), *metadata.tensors())
         out = to_host(out).reshape(total, HEADS, -1)
+        # What the kernel computes with: the queries and keys rotated (in float32) if it rotates
+        # them, the keys then rounded to the cache's dtype.
+        queries, keys = (a.astype(np.float32) for a in layer.rotated(queries, keys, positions))
         start = 0
         for r, n in zip(requests, num_scheduled):
             new = slice(start, start + n)

@@ -50,12 +50,12 @@ class LlamaAttention(nn.Cell):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(
+        rotary = RotaryEmbedding(
             self.head_dim, self.head_dim, config.max_position_embeddings,
             getattr(config, "rope_parameters", None), is_neox_style=True, dtype=dtype,
             heads=self.num_heads + self.num_kv_heads)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5, block_size)
+                                   self.head_dim ** -0.5, block_size, rotary=rotary)
         self.key_cache = None
         self.value_cache = None
 
@@ -77,11 +77,11 @@ class LlamaAttention(nn.Cell):
             self.q_norm = self.k_norm = None
 
     def construct(self, positions, hidden, attn_metadata, prefill_only):
-        # q|k|v [T, (H + 2 KVH) * D]: the norm (Qwen3) and rope read the q and k heads at the
-        # front of each row, the attention the values at its end (no split copies).
+        # q|k|v [T, (H + 2 KVH) * D]: the norm (Qwen3) and the attention (which applies the
+        # rotary embedding) read the q and k heads at the front of each row, the attention the
+        # values at its end (no split copies).
         qkv = self.qkv_proj(hidden)
         qk = self.qk_norm_(qkv) if self.qk_norm else qkv
-        qk = self.rotary_emb(positions, qk)  # [T, H + KVH, D]
         out = self.attn(qk, qkv, self.key_cache, self.value_cache, positions, *attn_metadata,
                         prefill_only)
         return self.o_proj(out)

@@ -8,7 +8,9 @@ on the host; its arrays are the model graph's inputs, under the names Ascend's f
 read them by (`batch_valid_length`, `q_seq_lens`).
 
 - CPU: one C++ operator (`csrc/paged_attention.cc`) writes the cache and attends each query over
-  exactly its visible keys (no padding to the longest query or context of the step).
+  exactly its visible keys (no padding to the longest query or context of the step). Built with
+  the layer's rotary embedding, it also rotates the keys as it writes them and the queries as it
+  loads them: no separate rotary pass (a launch, and a write and read of q and k) per layer.
 - Ascend: ReshapeAndCache writes the cache; a step of first prefills only (no request has cached
   context) runs FlashAttentionScore over the new tokens, every other step PagedAttention with the
   per-request query lengths and a causal mask, as MindSpore's own inference stack does.
@@ -21,6 +23,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from vllm_mindspore.ops import kernels
+from vllm_mindspore.ops.rotary import RotaryEmbedding
 from vllm_mindspore.platform import ASCEND, kernel_device
 
 # Ascend masks: masked positions get this (float16) or 1 (bfloat16, the kernels' convention).
@@ -79,12 +82,17 @@ def prefill_mask(dtype) -> ms.Tensor:
 
 
 class PagedAttention(nn.Cell):
-    """qk [T, H + KVH, D] (each token's query heads, then its key heads, both rotated),
-    v [T, W] (the last KVH * Dv channels of each row are the token's values: a fused q|k|v row
-    or the values alone), the layer's caches (`cache_shapes`) -> out [T, H * Dv]."""
+    """qk [T, H + KVH, D] (each token's query heads, then its key heads), v [T, W] (the last
+    KVH * Dv channels of each row are the token's values: a fused q|k|v row or the values
+    alone), the layer's caches (`cache_shapes`) -> out [T, H * Dv].
+
+    With `rotary` (built with `heads=H + KVH`), q and k enter unrotated and qk may also be the
+    fused q|k|v rows [T, W] themselves (q and k heads at the front of each row): the attention
+    applies the rotary embedding by `positions`. Without it they enter rotated."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 block_size: int, v_head_size: int | None = None):
+                 block_size: int, v_head_size: int | None = None,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -93,6 +101,7 @@ class PagedAttention(nn.Cell):
         self.scale = scale
         self.block_size = block_size
         self.fused = kernel_device() == ASCEND
+        self.rotary = rotary if self.fused else None
         if self.fused:
             self.reshape_and_cache = ops.auto_generate.ReshapeAndCache()
             self.flash_attention = ops.auto_generate.FlashAttentionScore(
@@ -101,8 +110,12 @@ class PagedAttention(nn.Cell):
                                                                     num_kv_heads)
         else:
             heads, v_size = num_heads, self.v_head_size
-            self.kernel = kernels.custom_op("PagedAttention",
-                                            lambda qk, *_: (qk[0], heads, v_size),
+            name = "PagedAttention"
+            self.cos_sin = None
+            if rotary is not None:
+                name = f"RotaryPagedAttention{'Neox' if rotary.is_neox_style else 'Interleaved'}"
+                self.cos_sin = rotary.cos_sin
+            self.kernel = kernels.custom_op(name, lambda qk, *_: (qk[0], heads, v_size),
                                             lambda qk, *_: qk)
             self.scale_tensor = ms.Tensor([scale], ms.float32)
 
@@ -125,9 +138,16 @@ class PagedAttention(nn.Cell):
                   batch_valid_length, q_seq_lens, prefill_only: bool = False):
         num_tokens = qk.shape[0]
         if not self.fused:
-            out = self.kernel(qk, v, key_cache, value_cache, slot_mapping, block_tables,
-                              batch_valid_length, q_seq_lens, self.scale_tensor)
+            if self.cos_sin is None:
+                out = self.kernel(qk, v, key_cache, value_cache, slot_mapping, block_tables,
+                                  batch_valid_length, q_seq_lens, self.scale_tensor)
+            else:
+                out = self.kernel(qk, v, key_cache, value_cache, slot_mapping, block_tables,
+                                  batch_valid_length, q_seq_lens, self.scale_tensor, positions,
+                                  self.cos_sin)
             return out.reshape(num_tokens, self.num_heads * self.v_head_size)
+        if self.rotary is not None:
+            qk = self.rotary(positions, qk)
         q = qk[:, :self.num_heads].reshape(num_tokens, self.num_heads * self.head_size)
         k, v = self._ascend_key_value(qk, v)
         q = ops.depend(q, self.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping))

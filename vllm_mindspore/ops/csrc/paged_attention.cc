@@ -18,9 +18,14 @@
 // Step metadata (int32): slot_mapping [T] (-1: padding token, not written), block_tables [B, MB],
 // seq_lens [B] (context + this step's tokens), q_lens [B] (this step's tokens; 0: unused row).
 // Tokens are packed request after request in the order of the rows.
+//
+// The MHA kernel may also apply the rotary embedding (RotaryPagedAttention*): each key as it is
+// written to the cache and each query as it is loaded, so q|k needs no pass of its own (a kernel
+// launch and a write and read of every q and k head, each layer and step).
 
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -32,6 +37,31 @@ namespace {
 
 using namespace vllm_ms;
 
+// The rotary embedding the kernel applies (`rotary` 0: none): the first `rotary` channels of a
+// head are rotated by its token's position, cos_sin [max_position, rotary] holding cos in its
+// first half and sin in its second; neox: the halves (x1, x2) -> (x1 cos - x2 sin,
+// x2 cos + x1 sin), else the pairs (x[2i], x[2i + 1]) (GPT-J / "interleaved").
+struct Rotary {
+  const int32_t *positions = nullptr;  // [T]
+  const float *cos_sin = nullptr;
+  int64_t rotary = 0, max_position = 0;
+  bool neox = true;
+
+  // x [D] (float32) of token t, rotated in place.
+  void apply(float *x, int64_t t) const {
+    const int64_t half = rotary / 2;
+    if (half == 0) return;
+    const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
+    const float *cos = cos_sin + position * rotary, *sin = cos + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+      const float x1 = x[a], x2 = x[b];
+      x[a] = x1 * cos[i] - x2 * sin[i];
+      x[b] = x2 * cos[i] + x1 * sin[i];
+    }
+  }
+};
+
 struct Shape {
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, v_head_dim, block_size;
   int64_t num_rows, max_blocks;  // block table: [num_rows, max_blocks]
@@ -39,6 +69,7 @@ struct Shape {
                                                     // value) to the next's
   bool latent;                   // MLA: one cache, values are its first v_head_dim channels
   float scale;
+  Rotary rotary = {};            // applied to the queries and keys (MHA only)
 };
 
 // A unit of work: one request's queries [q0, q1) for KV heads [kv0, kv1) and, of each KV head's
@@ -47,7 +78,7 @@ struct Item {
   int64_t row, kv0, kv1, h0, h1, q0, q1, first_token, context_start;
 };
 
-// Token t's keys and values into its cache slot.
+// Token t's keys (rotated) and values into its cache slot.
 template <typename T, typename C>
 void write_token(const Shape &s, int64_t t, const T *key, const T *value, C *key_cache,
                  C *value_cache, const int32_t *slot_mapping) {
@@ -55,10 +86,13 @@ void write_token(const Shape &s, int64_t t, const T *key, const T *value, C *key
   const int64_t slot = slot_mapping[t];
   if (slot < 0) return;
   const int64_t block = slot / bs, offset = slot % bs;
+  thread_local std::vector<float> k;
+  k.resize(D);
   for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
-    const T *k = key + t * s.key_stride + kvh * D;
+    convert(key + t * s.key_stride + kvh * D, k.data(), D);
+    s.rotary.apply(k.data(), t);
     C *kt = key_cache + (block * s.num_kv_heads + kvh) * D * bs + offset;
-    for (int64_t d = 0; d < D; ++d) from_float(to_float(k[d]), kt + d * bs);
+    for (int64_t d = 0; d < D; ++d) from_float(k[d], kt + d * bs);
     if (!s.latent) {
       convert(value + t * s.value_stride + kvh * Dv,
               value_cache + ((block * s.num_kv_heads + kvh) * bs + offset) * Dv, Dv);
@@ -247,6 +281,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
       for (int64_t h = 0; h < heads; ++h) {
         float *qr = q + (g * rows + (i - item.q0) * heads + h) * D;
         convert(query + (item.first_token + i) * s.query_stride + head_of(g, h) * D, qr, D);
+        s.rotary.apply(qr, item.first_token + i);
         for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
       }
     }
@@ -414,27 +449,29 @@ int with_dtypes(const char *activations, const char *cache, Kernel kernel) {
   return 1;
 }
 
-}  // namespace
+// Elements from one token's row of x [T, ...] to the next's.
+int64_t row_stride(int ndims, const int64_t *shape) {
+  int64_t stride = 1;
+  for (int i = 1; i < ndims; ++i) stride *= shape[i];
+  return stride;
+}
 
-extern "C" {
-
-void SetNumThreads(int threads) { vllm_ms::num_threads = std::max(1, threads); }
-
-// qk [T, H + KVH, D] (each token's H query heads, then its KVH key heads), v [T, W] (its last
-// KVH * Dv channels are the token's values), key_cache [NB, KVH, D, bs], value_cache
-// [NB, KVH, bs, Dv], slot_mapping [T], block_tables [B, MB], seq_lens [B], q_lens [B],
-// scale [1] (float32) -> out [T, H, Dv]
-int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                   void *stream, void *extra) {
-  if (nparam != 10 || ndims[0] != 3) return 1;
-  const int64_t kv_heads = shapes[2][1], heads = shapes[0][1] - kv_heads, D = shapes[0][2];
-  int64_t value_stride = 1;
-  for (int i = 1; i < ndims[1]; ++i) value_stride *= shapes[1][i];
+// PagedAttention and RotaryPagedAttention*: params[0..8] as below, params[nparam - 1] the output.
+int paged_attention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                    Rotary rotary) {
+  const int out = nparam - 1;
+  if (ndims[2] != 4 || ndims[out] != 3) return 1;
+  const int64_t kv_heads = shapes[2][1], heads = shapes[out][1], D = shapes[2][2];
+  const int64_t query_stride = row_stride(ndims[0], shapes[0]);
+  const int64_t value_stride = row_stride(ndims[1], shapes[1]);
   const Shape s{shapes[0][0], heads,        kv_heads,     D,
                 shapes[3][3], shapes[2][3], shapes[5][0], shapes[5][1],
-                (heads + kv_heads) * D,     (heads + kv_heads) * D, value_stride,
-                false,        *static_cast<float *>(params[8])};
-  if (value_stride < kv_heads * s.v_head_dim) return 1;
+                query_stride, query_stride, value_stride,
+                false,        *static_cast<float *>(params[8]), rotary};
+  if (query_stride < (heads + kv_heads) * D || value_stride < kv_heads * s.v_head_dim ||
+      rotary.rotary > D || rotary.rotary % 2) {
+    return 1;
+  }
   return with_dtypes(dtypes[0], dtypes[2], [&](auto t, auto c) {
     using T = decltype(t);
     using C = decltype(c);
@@ -444,8 +481,45 @@ int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, cons
     auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
     return run(s, qk, qk + s.num_heads * s.head_dim, v, static_cast<C *>(params[2]),
                static_cast<C *>(params[3]), i32(4), i32(5), i32(6), i32(7),
-               static_cast<T *>(params[9]));
+               static_cast<T *>(params[out]));
   });
+}
+
+// The rotary embedding of RotaryPagedAttention*: positions [T] int32 at params[9], cos_sin
+// [max_position, rotary] float32 at params[10].
+Rotary rotary_of(void **params, int64_t **shapes, bool neox) {
+  return {static_cast<const int32_t *>(params[9]), static_cast<const float *>(params[10]),
+          shapes[10][1], shapes[10][0], neox};
+}
+
+}  // namespace
+
+extern "C" {
+
+void SetNumThreads(int threads) { vllm_ms::num_threads = std::max(1, threads); }
+
+// qk [T, ...] (each token's row starts with its H query heads, then its KVH key heads, D each:
+// [T, H + KVH, D], or a fused q|k|v row [T, W]), v [T, W] (its last KVH * Dv channels are the
+// token's values), key_cache [NB, KVH, D, bs], value_cache [NB, KVH, bs, Dv], slot_mapping [T],
+// block_tables [B, MB], seq_lens [B], q_lens [B], scale [1] (float32) -> out [T, H, Dv]
+int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                   void *, void *) {
+  return nparam == 10 ? paged_attention(nparam, params, ndims, shapes, dtypes, {}) : 1;
+}
+
+// PagedAttention's inputs, then positions [T] int32 and cos_sin [max_position, rotary] float32
+// -> out [T, H, Dv], the query and key heads rotated by the kernel: neox halves, or interleaved
+// pairs.
+int RotaryPagedAttentionNeox(int nparam, void **params, int *ndims, int64_t **shapes,
+                             const char **dtypes, void *, void *) {
+  if (nparam != 12) return 1;
+  return paged_attention(nparam, params, ndims, shapes, dtypes, rotary_of(params, shapes, true));
+}
+
+int RotaryPagedAttentionInterleaved(int nparam, void **params, int *ndims, int64_t **shapes,
+                                    const char **dtypes, void *, void *) {
+  if (nparam != 12) return 1;
+  return paged_attention(nparam, params, ndims, shapes, dtypes, rotary_of(params, shapes, false));
 }
 
 // q [T, H, L], latent [T, L], cache [NB, L, bs], slot_mapping [T], block_tables [B, MB],
