@@ -5,6 +5,8 @@ scaling vLLM implements (linear, dynamic, yarn, llama3, deepseek_yarn, ...) mean
 what it means in vLLM, mscale included.
 """
 
+import functools
+
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
@@ -56,10 +58,16 @@ class RotaryEmbedding(nn.Cell):
             self.sin = Tensor(sin, dtype)
         else:
             self.cos_sin = Tensor(np.concatenate((cos, sin), -1), ms.float32)
-            self.kernel = kernels.custom_op(
-                "RopeNeox" if is_neox_style else "RopeInterleaved",
-                (lambda x, *_: x) if heads is None else (lambda x, *_: (x[0], heads, head_size)),
-                lambda x, *_: x)
+
+    @functools.cached_property
+    def kernel(self):
+        """The CPU operator, built when a graph first calls it (not for a table the CPU
+        attention applies itself)."""
+        heads, head_size = self.heads, self.head_size
+        return kernels.custom_op(
+            "RopeNeox" if self.is_neox_style else "RopeInterleaved",
+            (lambda x, *_: x) if heads is None else (lambda x, *_: (x[0], heads, head_size)),
+            lambda x, *_: x)
 
     def _rotate(self, x, cos, sin):
         rot = x if self.rotary_dim == self.head_size else x[..., : self.rotary_dim]

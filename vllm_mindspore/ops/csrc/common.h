@@ -166,6 +166,33 @@ const float *as_float(const T *x, int64_t n, std::vector<float> &buffer) {
   }
 }
 
+// The rotary embedding of a head: its first `rotary` channels (0: none) rotated by its token's
+// position, in float32. cos_sin [max_position, rotary] holds cos in its first half and sin in
+// its second; neox: the halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), else the pairs
+// (x[2i], x[2i + 1]) (GPT-J / "interleaved").
+struct Rotary {
+  const int32_t *positions = nullptr;  // [T]
+  const float *cos_sin = nullptr;
+  int64_t rotary = 0, max_position = 0;
+  bool neox = true;
+
+  // The rotated channels of token t's head x into y (which may be x).
+  template <typename In, typename Out>
+  void apply(const In *x, Out *y, int64_t t) const {
+    const int64_t half = rotary / 2;
+    if (half == 0) return;
+    const int64_t position =
+        std::min<int64_t>(std::max<int64_t>(positions[t], 0), max_position - 1);
+    const float *cos = cos_sin + position * rotary, *sin = cos + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+      const float x1 = to_float(x[a]), x2 = to_float(x[b]);
+      from_float(x1 * cos[i] - x2 * sin[i], y + a);
+      from_float(x2 * cos[i] + x1 * sin[i], y + b);
+    }
+  }
+};
+
 // 2^-k exp(x) for k = round(x / ln 2): Cephes' single-precision polynomial in r = x - k ln 2 (float or
 // lanes).
 template <typename T>

@@ -54,30 +54,20 @@ void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, 
   }, rows * size >= kParallelElements);
 }
 
-// Rotates the first `rotary` channels of each head of y [T, heads, D] by its token's position,
-// the heads read from the start of the token's row of x (token stride `x_stride`): cos_sin
-// [max_position, rotary] holds cos in the first half, sin in the second. neox: the halves
-// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); interleaved: pairs (x[2i], x[2i+1]).
+// y [T, heads, D]: each head rotated by `rot` (see Rotary), the heads read from the start of the
+// token's row of x (token stride `x_stride`).
 template <typename T>
-void rotary(const T *x, int64_t x_stride, const int32_t *positions, const float *cos_sin,
-            int64_t tokens, int64_t heads, int64_t D, int64_t rotary, int64_t max_position,
-            bool neox, T *y) {
-  const int64_t half_rotary = rotary / 2;
+void rotary(const T *x, int64_t x_stride, const Rotary &rot, int64_t tokens, int64_t heads,
+            int64_t D, T *y) {
   parallel_for(tokens, [&](int64_t t) {
-    const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
-    const float *cos = cos_sin + position * rotary, *sin = cos + half_rotary;
     for (int64_t h = 0; h < heads; ++h) {
       const T *in = x + t * x_stride + h * D;
       T *out = y + (t * heads + h) * D;
-      for (int64_t i = 0; i < half_rotary; ++i) {
-        const int64_t a = neox ? i : 2 * i, b = neox ? i + half_rotary : 2 * i + 1;
-        const float x1 = to_float(in[a]), x2 = to_float(in[b]);
-        from_float(x1 * cos[i] - x2 * sin[i], out + a);
-        from_float(x2 * cos[i] + x1 * sin[i], out + b);
-      }
-      if (rotary < D) std::memcpy(out + rotary, in + rotary, (D - rotary) * sizeof(T));
+      rot.apply(in, out, t);
+      if (rot.rotary < D)
+        std::memcpy(out + rot.rotary, in + rot.rotary, (D - rot.rotary) * sizeof(T));
     }
-  }, tokens * heads * rotary >= kParallelElements);
+  }, tokens * heads * rot.rotary >= kParallelElements);
 }
 
 bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
@@ -114,10 +104,10 @@ template <typename T>
 int rope(void **params, int64_t **shapes, int *ndims, bool neox) {
   const Rows rows = rows_of(shapes, ndims, 0, 3);
   if (ndims[3] != 3 || rows.x_stride < rows.per_token * rows.size) return 1;
-  rotary(static_cast<const T *>(params[0]), rows.x_stride,
-         static_cast<const int32_t *>(params[1]), static_cast<const float *>(params[2]),
-         rows.tokens, rows.per_token, rows.size, shapes[2][1], shapes[2][0], neox,
-         static_cast<T *>(params[3]));
+  const Rotary rot{static_cast<const int32_t *>(params[1]), static_cast<const float *>(params[2]),
+                   shapes[2][1], shapes[2][0], neox};
+  rotary(static_cast<const T *>(params[0]), rows.x_stride, rot, rows.tokens, rows.per_token,
+         rows.size, static_cast<T *>(params[3]));
   return 0;
 }
 

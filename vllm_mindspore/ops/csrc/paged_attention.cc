@@ -36,31 +36,6 @@ namespace {
 
 using namespace vllm_ms;
 
-// The rotary embedding the kernel applies (`rotary` 0: none): the first `rotary` channels of a
-// head are rotated by its token's position, cos_sin [max_position, rotary] holding cos in its
-// first half and sin in its second; neox: the halves (x1, x2) -> (x1 cos - x2 sin,
-// x2 cos + x1 sin), else the pairs (x[2i], x[2i + 1]) (GPT-J / "interleaved").
-struct Rotary {
-  const int32_t *positions = nullptr;  // [T]
-  const float *cos_sin = nullptr;
-  int64_t rotary = 0, max_position = 0;
-  bool neox = true;
-
-  // x [D] (float32) of token t, rotated in place.
-  void apply(float *x, int64_t t) const {
-    const int64_t half = rotary / 2;
-    if (half == 0) return;
-    const int64_t position = std::min<int64_t>(std::max(positions[t], 0), max_position - 1);
-    const float *cos = cos_sin + position * rotary, *sin = cos + half;
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-      const float x1 = x[a], x2 = x[b];
-      x[a] = x1 * cos[i] - x2 * sin[i];
-      x[b] = x2 * cos[i] + x1 * sin[i];
-    }
-  }
-};
-
 struct Shape {
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, v_head_dim, block_size;
   int64_t num_rows, max_blocks;  // block table: [num_rows, max_blocks]
@@ -89,7 +64,7 @@ void write_token(const Shape &s, int64_t t, const T *key, const T *value, C *key
   k.resize(D);
   for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
     convert(key + t * s.key_stride + kvh * D, k.data(), D);
-    s.rotary.apply(k.data(), t);
+    s.rotary.apply(k.data(), k.data(), t);
     C *kt = key_cache + (block * s.num_kv_heads + kvh) * D * bs + offset;
     for (int64_t d = 0; d < D; ++d) from_float(k[d], kt + d * bs);
     if (!s.latent) {
@@ -280,7 +255,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
       for (int64_t h = 0; h < heads; ++h) {
         float *qr = q + (g * rows + (i - item.q0) * heads + h) * D;
         convert(query + (item.first_token + i) * s.query_stride + head_of(g, h) * D, qr, D);
-        s.rotary.apply(qr, item.first_token + i);
+        s.rotary.apply(qr, qr, item.first_token + i);
         for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
       }
     }
