@@ -91,6 +91,7 @@ struct PanelFormat<bf16> {
 };
 
 // c[0:R, 0:32] (+)= a[0:R, 0:depth] . panel[0:depth, 0:32]
+#if defined(__AVX512F__)
 template <int R, typename W>
 void block(const float *__restrict a, int64_t lda, const W *__restrict panel, int64_t depth,
            float *__restrict c, int64_t ldc, bool accumulate) {
@@ -115,6 +116,60 @@ void block(const float *__restrict a, int64_t lda, const W *__restrict panel, in
     store_lanes(c + i * ldc + 16, hi[i]);
   }
 }
+#else
+inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const half *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+
+// AVX2's 16 registers: the block above keeps 6 rows x 32 columns of accumulators, 24 ymm, and
+// GCC spilled them to the stack at every k. Here c[0:R, first:first + 8V] (+)= ..., R x V
+// accumulators. The loops over them are unrolled by request: left to GCC's later unrolling, the
+// accumulators stayed in registers but were also stored to the stack at every k (12 stores for
+// 12 FMAs).
+template <int R, int V, typename W>
+void block_columns(const float *__restrict a, int64_t lda, const W *__restrict panel,
+                   int64_t depth, float *__restrict c, int64_t ldc, bool accumulate,
+                   int first) {
+  __m256 sum[R][V];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v)
+      sum[i][v] = accumulate ? _mm256_loadu_ps(c + i * ldc + first + 8 * v) : _mm256_setzero_ps();
+  Lookahead ahead = lookahead();
+  for (int64_t k = 0; k < depth; ++k) {
+    if (k % kStepsPerLine == 0) ahead.ask();
+    __m256 b[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) b[v] = load8(panel + k * kPanel + first + 8 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 ak = _mm256_broadcast_ss(a + i * lda + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) sum[i][v] = _mm256_fmadd_ps(ak, b[v], sum[i][v]);
+    }
+  }
+  lookahead() = ahead;
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + i * ldc + first + 8 * v, sum[i][v]);
+}
+
+// Up to 2 rows take the panel's 32 columns at once (8 accumulators, 4 loads of w); more take its
+// two halves in turn (2R accumulators each), which read different cache lines of the panel.
+template <int R, typename W>
+void block(const float *__restrict a, int64_t lda, const W *__restrict panel, int64_t depth,
+           float *__restrict c, int64_t ldc, bool accumulate) {
+  if constexpr (R <= 2) {
+    block_columns<R, 4>(a, lda, panel, depth, c, ldc, accumulate, 0);
+  } else {
+    block_columns<R, 2>(a, lda, panel, depth, c, ldc, accumulate, 0);
+    block_columns<R, 2>(a, lda, panel, depth, c, ldc, accumulate, 16);
+  }
+}
+#endif
 
 // The same over bfloat16 pairs: a[i][p] holds row i's k = 2p, 2p + 1; panel [pairs, 32, 2].
 template <int R>
@@ -294,7 +349,7 @@ void finish_rows(const Y *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy, int
   }
 }
 
-// silu(g) * u = g / (1 + exp(-g)) * u, 16 values at a time.
+// silu(g) * u = g / (1 + exp(-g)) * u, a vector at a time.
 inline lanes silu_times(lanes g, lanes u) { return g / (1.0f + fast_exp(-g)) * u; }
 inline float silu_times(float g, float u) { return g / (1.0f + fast_exp(-g)) * u; }
 
@@ -542,7 +597,7 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1, kRows);
 }
 
-// silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], 16 values at
+// silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], a vector at
 // a time (the scalar loop was not vectorised: 8% of a prefill step).
 template <typename T>
 void silu_and_mul(const float *y, int64_t M, int64_t I, T *out) {

@@ -16,7 +16,7 @@ using namespace vllm_ms;
 // y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight[r % weight_rows], in float32, for rows of
 // `size` values; rows_per_token rows of y per token, read from the start of the token's row of
 // x (token stride `x_stride`). With a residual: x + residual is normalised and also returned.
-// 16 lanes at a time: the scalar sum of squares was a chain of dependent adds the compiler may
+// A vector at a time: the scalar sum of squares was a chain of dependent adds the compiler may
 // not reorder (3% of a prefill step, 8 x 128 tokens).
 template <typename T>
 void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,

@@ -74,11 +74,13 @@ void write_token(const Shape &s, int64_t t, const T *key, const T *value, C *key
   }
 }
 
-// Register-blocked inner loops: R rows (query heads) against one block, 16 keys or value
-// channels at a time held in vector registers (GCC vector extensions: zmm with AVX-512, ymm
-// pairs with AVX2), so each key/value row is loaded once for all R rows. Each loop keeps at
-// least eight independent accumulators, so the FMAs pipeline instead of waiting on each other.
-constexpr int kMaxRows = 8;
+// Register-blocked inner loops: R rows (query heads) against one block, a vector of keys or
+// value channels at a time held in registers (`lanes`), so each key/value row is loaded once
+// for all R rows. Each loop keeps at least eight independent accumulators, so the FMAs pipeline
+// instead of waiting on each other, and at most half the vector registers (8 rows' even and odd
+// sums with AVX-512, 4 rows' with AVX2). The loops over rows are unrolled by request: left to
+// GCC, the accumulators were also stored to the stack at every step.
+constexpr int kMaxRows = kVectorRegisters / 4;
 
 // s[r][k] = q[r] . key k of the block (row stride lds), for the block's bs keys (stored
 // transposed: kt[d][k], in the cache's dtype: widened to float32 as they are loaded). Even and
@@ -94,6 +96,7 @@ void block_scores(const float *__restrict q, const C *__restrict kt, int64_t D, 
     for (; d + 1 < D; d += 2) {
       ahead.ask();
       const lanes k0 = load_lanes(kt + d * bs + c), k1 = load_lanes(kt + (d + 1) * bs + c);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         even[r] += q[r * D + d] * k0;
         odd[r] += q[r * D + d + 1] * k1;
@@ -106,7 +109,7 @@ void block_scores(const float *__restrict q, const C *__restrict kt, int64_t D, 
     }
     for (int r = 0; r < R; ++r) store_lanes(s + r * lds + c, even[r] + odd[r]);
   }
-  for (; c < bs; ++c) {  // block sizes that are not a multiple of 16
+  for (; c < bs; ++c) {  // block sizes that are not a multiple of kLanes
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
       for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * to_float(kt[d * bs + c]);
@@ -122,21 +125,28 @@ int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const V *__r
                             int64_t keys, int64_t Dv, float *__restrict out, int64_t c) {
   for (; c + C * kLanes <= Dv; c += C * kLanes) {
     lanes acc[R][C];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
       for (int j = 0; j < C; ++j) acc[r][j] = load_lanes(out + r * Dv + c + j * kLanes);
     Lookahead ahead = lookahead();
     for (int64_t k = 0; k < keys; ++k) {
       ahead.ask();
       ahead.ask();
       lanes vk[C];
+#pragma GCC unroll 4
       for (int j = 0; j < C; ++j) vk[j] = load_lanes(v + k * Dv + c + j * kLanes);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float pk = p[r * ldp + k];
+#pragma GCC unroll 4
         for (int j = 0; j < C; ++j) acc[r][j] += pk * vk[j];
       }
     }
     lookahead() = ahead;
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
       for (int j = 0; j < C; ++j) store_lanes(out + r * Dv + c + j * kLanes, acc[r][j]);
   }
   return c;
@@ -145,7 +155,8 @@ int64_t block_values_chunks(const float *__restrict p, int64_t ldp, const V *__r
 template <int R, typename V>
 void block_values(const float *p, int64_t ldp, const V *v, int64_t keys, int64_t Dv,
                   float *out) {
-  constexpr int C = R <= 4 ? 4 : 2;  // R * C accumulators: 16 at most
+  constexpr int C = R * 4 <= kVectorRegisters / 2 ? 4 : 2;  // R * C accumulators: half the
+                                                           // registers at most
   int64_t c = block_values_chunks<R, C>(p, ldp, v, keys, Dv, out, 0);
   c = block_values_chunks<R, 1>(p, ldp, v, keys, Dv, out, c);
   for (; c < Dv; ++c)

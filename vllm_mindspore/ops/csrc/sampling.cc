@@ -2,7 +2,7 @@
 // probabilities, with token j's Exp(1) noise made from SplitMix64 of (row seed, j) on the fly —
 // one pass, one logarithm per token, no [rows, vocab] noise tensor. torch's exponential_() fills
 // 8 x 8000 values in ~1.2 ms on this project's CPUs, a tenth of a decode step. Greedy: the argmax
-// of each row, 16 lanes at a time (torch's argmax on the worker's one torch thread: 0.5 ms for
+// of each row, a vector at a time (torch's argmax on the worker's one torch thread: 0.5 ms for
 // 64 x 8000 logits).
 
 #include <cmath>
@@ -17,8 +17,6 @@ namespace {
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline u64x8 splitmix64(u64x8 z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -96,13 +94,15 @@ void GreedyArgmax(const float *logits, int64_t rows, int64_t vocab, int64_t stri
                   int64_t *out) {
   vllm_ms::parallel_for(rows, [&](int64_t r) {
     const float *row = logits + r * stride;
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    f32x16 best = f32x16{} - INFINITY, x;
-    i32x16 best_index = lane, nan = {};
+    using vllm_ms::int_lanes, vllm_ms::kLanes, vllm_ms::lanes;
+    int_lanes lane;
+    for (int i = 0; i < kLanes; ++i) lane[i] = i;
+    lanes best = lanes{} - INFINITY, x;
+    int_lanes best_index = lane, nan = {};
     int64_t j = 0;
-    for (; j + 16 <= vocab; j += 16) {
+    for (; j + kLanes <= vocab; j += kLanes) {
       std::memcpy(&x, row + j, sizeof(x));
-      const i32x16 better = x > best;  // strict: a lane keeps its first maximum
+      const int_lanes better = x > best;  // strict: a lane keeps its first maximum
       best = better ? x : best;
       best_index = better ? lane + static_cast<int32_t>(j) : best_index;
       nan |= x != x;
@@ -110,7 +110,7 @@ void GreedyArgmax(const float *logits, int64_t rows, int64_t vocab, int64_t stri
     float top = best[0];
     int64_t top_index = best_index[0];
     bool has_nan = nan[0] != 0;
-    for (int i = 1; i < 16; ++i) {
+    for (int i = 1; i < kLanes; ++i) {
       has_nan |= nan[i] != 0;
       if (best[i] > top || (best[i] == top && best_index[i] < top_index)) {
         top = best[i];
