@@ -45,9 +45,9 @@ inline void from_float(float x, bf16 *out) {
   out->bits = static_cast<uint16_t>(bits >> 16);
 }
 
-// One vector register of floats, and how many registers a kernel's inner loop may hold. 16-lane
-// vectors on AVX2 (a ymm pair each) made GCC pass them through the stack: the kernels ran 10-40x
-// slower than with 8 lanes on an AVX2-only AMD EPYC.
+// One vector register of floats, and how many registers there are for a kernel's inner loop.
+// 16-lane vectors on AVX2 (a ymm pair each) made GCC keep the matmul's accumulators on the
+// stack: 25-37x slower, the engine 24x, on an AVX2-only AMD EPYC.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 constexpr int kVectorRegisters = 32;
