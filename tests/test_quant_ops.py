@@ -172,23 +172,27 @@ def test_moe_experts_match_the_reference(inter):
     np.testing.assert_allclose(out, expected, rtol=1e-3, atol=2e-3 * np.abs(expected).max())
 
 
-def test_portable_fallback_without_vnni_is_exact(tmp_path):
-    """The kernel built without AVX-512 VNNI (the portable integer loop) gives the same int32
-    accumulators; called through the same AOT entry point with ctypes."""
+@pytest.mark.parametrize("m", [5, 13])
+def test_avx2_path_without_vnni_is_exact(tmp_path, m):
+    """The kernel built without AVX-512 VNNI (AVX2: bytes widened to int16, vpmaddwd) gives the
+    same int32 accumulators, extremes included (-128 * -128 and 127 * 255 unsigned), for a
+    partial row block, K not a multiple of 4 and a partial panel; called through the same AOT
+    entry point with ctypes. (On a CPU without AVX-512 the library's own build is this path.)"""
     import os
     import subprocess
 
     from vllm_mindspore.ops import kernels
 
     csrc = os.path.join(os.path.dirname(kernels.__file__), "csrc")
-    lib = str(tmp_path / "quant_portable.so")
+    lib = str(tmp_path / "quant_avx2.so")
     subprocess.run(["g++", "-std=c++17", "-O2", "-march=native", "-mno-avx512vnni", "-pthread",
                     "-shared", "-fPIC", "-o", lib, os.path.join(csrc, "quant.cc")], check=True,
                    timeout=300)
     g = rng(7)
-    m, k, n = 5, 67, 40
+    k, n = 67, 40
     q = g.integers(-128, 128, (m, k), dtype=np.int8)
     w = g.integers(-128, 128, (n, k), dtype=np.int8)
+    q[0], w[0], q[-1], w[-1] = -128, -128, 127, 127
     arrays = QuantArrays("W8A8", w, quant_bias=g.integers(-999, 999, n).astype(np.int32))
     out = np.zeros((m, n), np.int32)
     status = call_aot(lib, "QuantMatmulInt32", [q, pack_int8(w), correction(arrays), out])

@@ -8,7 +8,8 @@
 // by the 4 signed weight bytes of 16 columns and adds the sums to 16 int32 accumulators. The
 // activations enter as q + 128 (unsigned); the 128 * sum_k w[n, k] this adds is subtracted again
 // through `corr` (per output column, computed at packing time), so every accumulator is the exact
-// int32 sum of q * w. Without VNNI a portable loop computes the same integers.
+// int32 sum of q * w. Without VNNI (AVX2), each group's bytes are widened to int16 and
+// vpmaddwd sums pairs of products into int32: exact as well (|u * w| <= 255 * 128).
 //
 // Floating-point steps are written one rounding at a time (no fused multiply-add): this file's
 // functions are compiled with fp-contract off whatever the library's flags, so the results equal
@@ -92,15 +93,35 @@ void qblock(const uint8_t *__restrict u, int64_t ldu, const int8_t *__restrict p
     _mm512_storeu_si512(c + i * ldc + 16, hi[i]);
   }
 #else
-  for (int i = 0; i < R; ++i) {
-    int32_t acc[kQPanel] = {};
+  // A quarter of the panel (8 columns) at a time, so that R rows' accumulators fit 16 ymm
+  // registers. Widened to int16, a group's 16 weight bytes of 4 columns are one vector of
+  // (column, k) pairs; the row's 4 activation bytes, repeated 4 times, are the other. vpmaddwd
+  // leaves two partial sums per column (k0 + k1, k2 + k3), added pairwise at the end.
+  for (int quarter = 0; quarter < 4; ++quarter) {
+    __m256i lo[R], hi[R];  // columns 0-3 and 4-7 of the quarter, two partial sums each
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
     for (int64_t g = 0; g < K4; ++g) {
-      const uint8_t *a = u + i * ldu + g * 4;
-      const int8_t *b = panel + g * 128;
-      for (int j = 0; j < kQPanel; ++j)
-        acc[j] += a[0] * b[j * 4] + a[1] * b[j * 4 + 1] + a[2] * b[j * 4 + 2] + a[3] * b[j * 4 + 3];
+      const int8_t *group = panel + g * 128 + quarter * 32;
+      const __m256i b0 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(group)));
+      const __m256i b1 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(group + 16)));
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        int32_t a4;
+        std::memcpy(&a4, u + i * ldu + g * 4, 4);
+        const __m256i a = _mm256_cvtepu8_epi16(_mm_set1_epi32(a4));
+        lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(a, b0));
+        hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(a, b1));
+      }
     }
-    std::memcpy(c + i * ldc, acc, sizeof(acc));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      // hadd within 128-bit lanes gives columns (0, 1, 4, 5 | 2, 3, 6, 7): put them in order.
+      const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[i], hi[i]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(c + i * ldc + quarter * 8), sums);
+    }
   }
 #endif
 }
