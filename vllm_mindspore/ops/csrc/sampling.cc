@@ -70,7 +70,9 @@ void ExponentialRaceArgmax(const float *probs, int64_t rows, int64_t vocab,
         std::memcpy(&p, row + j, n * sizeof(float));
       }
       const u64x8 bits = splitmix64(seed + (static_cast<uint64_t>(j) + lane64) * kGamma);
-      const f32x8 u = (__builtin_convertvector(bits >> 40, f32x8) + 0.5f) * (1.0f / 16777216.0f);
+      // Through int32 (exact below 2^24): AVX2 has no 64-bit integer to float conversion.
+      const f32x8 u = (__builtin_convertvector(__builtin_convertvector(bits >> 40, i32x8), f32x8) +
+                       0.5f) * (1.0f / 16777216.0f);
       const f32x8 score = p / -log_lanes(u);
       const i32x8 better = score > best;
       best = better ? score : best;
