@@ -175,8 +175,8 @@ def test_moe_experts_match_the_reference(inter):
 @pytest.mark.parametrize("m", [5, 13])
 def test_avx2_path_without_vnni_is_exact(tmp_path, m):
     """The kernel built without AVX-512 VNNI (AVX2: bytes widened to int16, vpmaddwd) gives the
-    same int32 accumulators, extremes included (-128 * -128 and 127 * 255 unsigned), for a
-    partial row block, K not a multiple of 4 and a partial panel; called through the same AOT
+    same int32 accumulators, extremes included (q = w = -128, and q = w = 127: 255 * 127 in the
+    kernel's unsigned activation bytes), for a partial row block, K not a multiple of 4 and a partial panel; called through the same AOT
     entry point with ctypes. (On a CPU without AVX-512 the library's own build is this path.)"""
     import os
     import subprocess
