@@ -173,19 +173,21 @@ def test_moe_experts_match_the_reference(inter):
 
 
 @pytest.mark.parametrize("m", [5, 13])
-def test_avx2_path_without_vnni_is_exact(tmp_path, m):
-    """The kernel built without AVX-512 VNNI (AVX2: bytes widened to int16, vpmaddwd) gives the
-    same int32 accumulators, extremes included (q = w = -128, and q = w = 127: 255 * 127 in the
-    kernel's unsigned activation bytes), for a partial row block, K not a multiple of 4 and a partial panel; called through the same AOT
-    entry point with ctypes. (On a CPU without AVX-512 the library's own build is this path.)"""
+@pytest.mark.parametrize("flag", ["-mno-avx512vnni", "-mno-avx2"])
+def test_paths_without_vnni_are_exact(tmp_path, m, flag):
+    """The kernel built without AVX-512 VNNI (AVX2: bytes widened to int16, vpmaddwd; on a CPU
+    without AVX-512 the library's own build) and without AVX2 (the portable loop) gives the same
+    int32 accumulators, extremes included (q = w = -128, and q = w = 127: 255 * 127 in the
+    kernel's unsigned activation bytes), for a partial row block, K not a multiple of 4 and a
+    partial panel; called through the same AOT entry point with ctypes."""
     import os
     import subprocess
 
     from vllm_mindspore.ops import kernels
 
     csrc = os.path.join(os.path.dirname(kernels.__file__), "csrc")
-    lib = str(tmp_path / "quant_avx2.so")
-    subprocess.run(["g++", "-std=c++17", "-O2", "-march=native", "-mno-avx512vnni", "-pthread",
+    lib = str(tmp_path / f"quant{flag}.so")
+    subprocess.run(["g++", "-std=c++17", "-O2", "-march=native", flag, "-pthread",
                     "-shared", "-fPIC", "-o", lib, os.path.join(csrc, "quant.cc")], check=True,
                    timeout=300)
     g = rng(7)

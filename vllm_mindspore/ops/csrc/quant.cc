@@ -8,8 +8,9 @@
 // by the 4 signed weight bytes of 16 columns and adds the sums to 16 int32 accumulators. The
 // activations enter as q + 128 (unsigned); the 128 * sum_k w[n, k] this adds is subtracted again
 // through `corr` (per output column, computed at packing time), so every accumulator is the exact
-// int32 sum of q * w. Without VNNI (AVX2), each group's bytes are widened to int16 and
-// vpmaddwd sums pairs of products into int32: exact as well (|u * w| <= 255 * 128).
+// int32 sum of q * w. Without VNNI, AVX2 widens each group's bytes to int16 and vpmaddwd sums
+// pairs of products into int32: exact as well (|u * w| <= 255 * 128). Without AVX2, a portable
+// loop computes the same integers.
 //
 // Floating-point steps are written one rounding at a time (no fused multiply-add): this file's
 // functions are compiled with fp-contract off whatever the library's flags, so the results equal
@@ -92,7 +93,7 @@ void qblock(const uint8_t *__restrict u, int64_t ldu, const int8_t *__restrict p
     _mm512_storeu_si512(c + i * ldc, lo[i]);
     _mm512_storeu_si512(c + i * ldc + 16, hi[i]);
   }
-#else
+#elif defined(__AVX2__)
   // A quarter of the panel (8 columns) at a time, so that R rows' accumulators fit 16 ymm
   // registers. Widened to int16, a group's 16 weight bytes of 4 columns are one vector of
   // (column, k) pairs; the row's 4 activation bytes, repeated 4 times, are the other. vpmaddwd
@@ -122,6 +123,17 @@ void qblock(const uint8_t *__restrict u, int64_t ldu, const int8_t *__restrict p
       const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[i], hi[i]), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i *>(c + i * ldc + quarter * 8), sums);
     }
+  }
+#else  // the other kernels need AVX and F16C only: a portable loop keeps such CPUs served
+  for (int i = 0; i < R; ++i) {
+    int32_t acc[kQPanel] = {};
+    for (int64_t g = 0; g < K4; ++g) {
+      const uint8_t *a = u + i * ldu + g * 4;
+      const int8_t *b = panel + g * 128;
+      for (int j = 0; j < kQPanel; ++j)
+        acc[j] += a[0] * b[j * 4] + a[1] * b[j * 4 + 1] + a[2] * b[j * 4 + 2] + a[3] * b[j * 4 + 3];
+    }
+    std::memcpy(c + i * ldc, acc, sizeof(acc));
   }
 #endif
 }
