@@ -172,31 +172,30 @@ def test_moe_experts_match_the_reference(inter):
     np.testing.assert_allclose(out, expected, rtol=1e-3, atol=2e-3 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("m", [5, 13])
 @pytest.mark.parametrize("flag", ["-mno-avx512vnni", "-mno-avx2"])
-def test_paths_without_vnni_are_exact(tmp_path, m, flag):
+def test_paths_without_vnni_are_exact(tmp_path, flag):
     """The kernel built without AVX-512 VNNI (AVX2: bytes widened to int16, vpmaddwd; on a CPU
     without AVX-512 the library's own build) and without AVX2 (the portable loop) gives the same
     int32 accumulators, extremes included (q = w = -128, and q = w = 127: 255 * 127 in the
-    kernel's unsigned activation bytes), for a partial row block, K not a multiple of 4 and a
-    partial panel; called through the same AOT entry point with ctypes."""
+    kernel's unsigned activation bytes), for a partial and a full-plus-partial row block, K not a
+    multiple of 4 and a partial panel; built with the library's own flags plus `flag` and called
+    through the same AOT entry point with ctypes."""
     import os
     import subprocess
 
     from vllm_mindspore.ops import kernels
 
-    csrc = os.path.join(os.path.dirname(kernels.__file__), "csrc")
     lib = str(tmp_path / f"quant{flag}.so")
-    subprocess.run(["g++", "-std=c++17", "-O2", "-march=native", flag, "-pthread",
-                    "-shared", "-fPIC", "-o", lib, os.path.join(csrc, "quant.cc")], check=True,
-                   timeout=300)
+    subprocess.run(["g++", *kernels._FLAGS, flag, "-o", lib,
+                    os.path.join(kernels._CSRC, "quant.cc")], check=True, timeout=300)
     g = rng(7)
     k, n = 67, 40
-    q = g.integers(-128, 128, (m, k), dtype=np.int8)
-    w = g.integers(-128, 128, (n, k), dtype=np.int8)
-    q[0], w[0], q[-1], w[-1] = -128, -128, 127, 127
-    arrays = QuantArrays("W8A8", w, quant_bias=g.integers(-999, 999, n).astype(np.int32))
-    out = np.zeros((m, n), np.int32)
-    status = call_aot(lib, "QuantMatmulInt32", [q, pack_int8(w), correction(arrays), out])
-    assert status == 0
-    np.testing.assert_array_equal(out, ref.int_matmul(q, w, arrays.quant_bias))
+    for m in (5, 13):
+        q = g.integers(-128, 128, (m, k), dtype=np.int8)
+        w = g.integers(-128, 128, (n, k), dtype=np.int8)
+        q[0], w[0], q[-1], w[-1] = -128, -128, 127, 127
+        arrays = QuantArrays("W8A8", w, quant_bias=g.integers(-999, 999, n).astype(np.int32))
+        out = np.zeros((m, n), np.int32)
+        status = call_aot(lib, "QuantMatmulInt32", [q, pack_int8(w), correction(arrays), out])
+        assert status == 0
+        np.testing.assert_array_equal(out, ref.int_matmul(q, w, arrays.quant_bias), f"{m} rows")
