@@ -69,9 +69,10 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
 
 @pytest.mark.parametrize("weight_kernel", WEIGHT_DTYPES, indirect=True)
 # K = 600: AMX takes 18 tile steps and a tail of 24 k, the other kernels two passes of kDepth
-# (512 k), over the blocks of a chunk (64 rows: two 32-row blocks; 300: two chunks).
-@pytest.mark.parametrize("rows, in_features", [(1, 37), (8, 37), (9, 37), (300, 37), (9, 600),
-                                               (64, 600), (300, 600)])
+# (512 k), over the blocks of a chunk (64 rows: two 32-row blocks; 300: two chunks). Rows 4, 8 and
+# 9 end in blocks of 4, 2 and 3 rows (a panel in two halves on AVX2 from 3 rows on).
+@pytest.mark.parametrize("rows, in_features", [(1, 37), (4, 600), (8, 37), (9, 37), (300, 37),
+                                               (9, 600), (64, 600), (300, 600)])
 # silu_and_mul with 70 outputs: the gate|up boundary inside a panel (a separate silu * up pass);
 # with 128 ("aligned"): at a panel boundary (silu * up in the matmul's blocks).
 @pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul", "silu_and_mul-aligned"])
