@@ -112,7 +112,8 @@ void block_columns(const float *__restrict a, int64_t lda, const W *__restrict p
     for (int v = 0; v < V; ++v) {
       b[v] = load_lanes(panel + k * kPanel + first + v * kLanes);
       // In a register, loaded once a step: GCC otherwise folded the load into each row's FMA
-      // for 2-5 rows (AVX2), and 4 rows ran at 88 GFLOP/s against 6 rows' 166 (then 139).
+      // for 2-5 rows on AVX2 (4 rows: 88 GFLOP/s, 139 with this, 6 rows 166); AVX-512 builds
+      // folded only the 1-row block's, where each vector has one use.
       asm("" : "+v"(b[v]));
     }
 #pragma GCC unroll 8
