@@ -510,13 +510,13 @@ def test_64_streaming_clients_a_quarter_disconnecting(server_a):
     computing them), every KV block is free again, and memory is back near its baseline."""
     # Long enough that a stream outlives the arrival of the others (the API server admits the 64
     # requests one by one on the same 2 cores): with 24 tokens a fast engine finished the first
-    # streams before the last arrived, and no step held 24 requests.
-    tokens = 64
+    # streams before the last arrived, and no step held 24 requests. 96 gives margin over 64, but
+    # with two busy loops beside the server the API server admits the 64 so slowly that no length
+    # is safe (17 and 12 requests a step at most, with 64 and 96 tokens).
+    tokens = 96
     references = {p: complete(server_a, p, max_tokens=tokens, **greedy())["text"]
                   for p in PROMPTS}
-    prompt_tokens = {p: len(complete(server_a, p, max_tokens=1)["prompt_token_ids"])
-                     for p in PROMPTS}
-    wait_idle(server_a, API_KEY)
+    idle_before = wait_idle(server_a, API_KEY)
     rss_before = tree_rss(server_a.proc.pid)
     log_start = len(log_lines(server_a))
     barrier = threading.Barrier(64)
@@ -538,19 +538,21 @@ def test_64_streaming_clients_a_quarter_disconnecting(server_a):
         else:
             assert result["done"] and result["finish_reason"] == "length", result
             assert result["text"] == references[PROMPTS[i % 8]], i
-    wait_idle(server_a, API_KEY, timeout=10)  # every KV block free, nothing running
+    idle_after = wait_idle(server_a, API_KEY, timeout=10)  # every KV block free, nothing running
+    # Tokens generated for the 16 dropped streams: 16 x 400 if their aborts never reached the
+    # engine. The API server notices a closed connection later when the CPUs are busy (7-17
+    # tokens a stream on an idle host, 34-218 with two busy loops beside the server), so up to
+    # 3/4 of that is allowed; the metric counts no prompt token, so prefix caching hides none.
+    generated = (idle_after.get("vllm:generation_tokens_total")
+                 - idle_before.get("vllm:generation_tokens_total"))
+    dropped = generated - 48 * tokens
+    assert 16 * 3 <= dropped <= 16 * 300, (generated, dropped)
     shapes = step_shapes("\n".join(log_lines(server_a)[log_start:]))
-    # Tokens the engine computed: every prompt (prefix caching may skip some), `tokens` for
-    # each completing stream, and a few for each dropped one before its abort landed; 16 x 400
-    # if the aborts never reached the engine.
-    computed = sum(tokens for _, tokens in shapes)
-    bound = sum(prompt_tokens[PROMPTS[i % 8]] for i in range(64)) + 48 * tokens + 16 * 40
-    assert computed <= bound, (computed, bound)
     assert max(reqs for reqs, _ in shapes) >= 24, "the clients never ran together"
     rss_after = tree_rss(server_a.proc.pid)
     assert rss_after < rss_before * 1.10 + (64 << 20), (rss_before >> 20, rss_after >> 20)
     print(f"64 clients in {elapsed:.1f} s, up to {max(r for r, _ in shapes)} requests a step, "
-          f"{computed} tokens computed (bound {bound}); RSS {rss_before >> 20} -> "
+          f"{dropped} tokens generated for the 16 dropped streams; RSS {rss_before >> 20} -> "
           f"{rss_after >> 20} MiB")
 
 
