@@ -78,6 +78,12 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "CPU, --dtype bfloat16: 1 (default) runs the dense matmuls on AMX tiles where the CPU has "
         "them (Intel Sapphire Rapids and later); 0 keeps the AVX512-BF16 kernels.",
     ),
+    "VLLM_MS_CPU_LAYER_KERNEL": (
+        _flag("VLLM_MS_CPU_LAYER_KERNEL", "1"),
+        "CPU: 1 (default) runs each decoder layer of the Llama-family models (Llama, Qwen2, "
+        "Qwen3) as one operator where it can (float weights, one tensor-parallel rank); 0 runs "
+        "its parts as separate operators (the same kernels, for comparison).",
+    ),
     "VLLM_MS_CPU_BF16_WIDEN": (
         _choice("VLLM_MS_CPU_BF16_WIDEN", ("auto", "1", "0"), "auto"),
         "CPU, --dtype bfloat16, without AMX: 1 widens the bfloat16 weights to float32 and "

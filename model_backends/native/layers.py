@@ -237,8 +237,9 @@ def fuse_linears(linears: list[Linear], prefix: str, silu_and_mul: bool = False)
 
 def use_compute_layouts(model: nn.Cell) -> None:
     """Every layer with a compute layout (linears, LM head) switches to it; after loading and
-    after the cells' own post-loading hooks (fusion) have run."""
-    for prefix, cell in list(model.cells_and_names()):
+    after the cells' own post-loading hooks (fusion) have run. Children go before their parents
+    (a decoder layer reads its projections' layouts)."""
+    for prefix, cell in reversed(list(model.cells_and_names())):
         if hasattr(cell, "use_compute_layout"):
             cell.use_compute_layout(prefix)
 

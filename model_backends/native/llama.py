@@ -15,7 +15,9 @@ from model_backends.native.layers import (ColumnParallelLinear, Linear, Parallel
                                           RowParallelLinear, ShardSpec,
                                           VocabParallelEmbedding, even_split, fuse_linears,
                                           tp_rank_and_size)
+from vllm_mindspore import envs
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
+from vllm_mindspore.ops.decoder import DecoderLayerKernel
 
 
 class LlamaAttention(nn.Cell):
@@ -127,14 +129,41 @@ class LlamaDecoderLayer(nn.Cell):
         self.self_attn = self.attention_cls(config, block_size, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = self.make_mlp(config, layer_index, dtype)
+        self.layer_kernel = None  # CPU: the layer as one operator (use_compute_layout)
 
     def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
         return LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def use_compute_layout(self, prefix: str) -> None:
+        """After its projections took their compute layouts: on CPU, the whole layer as one
+        operator (vllm_mindspore/ops/decoder.py) where nothing else runs between its parts (float
+        weights, one tensor-parallel rank, Llama's attention and a dense MLP)."""
+        attn, mlp = self.self_attn, self.mlp
+        if (not envs.VLLM_MS_CPU_LAYER_KERNEL or not isinstance(attn, LlamaAttention)
+                or not isinstance(mlp, LlamaMLP)):
+            return
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (any(linear.packed is None for linear in projections) or attn.o_proj.bias is not None
+                or tp_rank_and_size()[1] > 1):
+            return
+        qk_norm = attn.qk_norm_ if attn.qk_norm else None
+        norms = [self.input_layernorm, self.post_attention_layernorm] + (
+            [qk_norm] if qk_norm is not None else [])
+        if not DecoderLayerKernel.applies(norms, attn.attn):
+            return
+        self.layer_kernel = DecoderLayerKernel(
+            self.input_layernorm, attn.qkv_proj.weight, attn.qkv_proj.bias, qk_norm,
+            attn.o_proj.weight, self.post_attention_layernorm, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, attn.attn, mlp.gate_up_proj.out_features // 2)
 
     def construct(self, positions, hidden, residual, attn_metadata, prefill_only):
         """hidden: the previous layer's output, residual: the stream before it (None for the
         first layer) -> (this layer's output, the stream before it); each norm also does the
         residual add."""
+        if self.layer_kernel is not None:
+            attn = self.self_attn
+            return self.layer_kernel(hidden, residual, attn.key_cache, attn.value_cache, positions,
+                                     *attn_metadata)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

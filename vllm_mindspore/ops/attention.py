@@ -101,6 +101,7 @@ class PagedAttention(nn.Cell):
         self.scale = scale
         self.block_size = block_size
         self.fused = kernel_device() == ASCEND
+        self.neox_rotary = rotary is not None and rotary.is_neox_style
         self.rotary = rotary if self.fused else None
         if self.fused:
             self.reshape_and_cache = ops.auto_generate.ReshapeAndCache()

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 logger = init_logger("vllm.vllm_mindspore.kernels")
 
 _SOURCES = ("paged_attention.cc", "linear.cc", "moe.cc", "norm_rope.cc", "quant.cc",
-            "sampling.cc")
+            "sampling.cc", "decoder_layer.cc")
 _HEADERS = ("common.h", "gemm.h", "parallel.h")
 _FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-pthread", "-shared",
           "-fPIC")

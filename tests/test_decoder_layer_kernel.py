@@ -1,0 +1,94 @@
+"""The decoder layer as one CPU operator (vllm_mindspore/ops/decoder.py) against the same layer as
+its separate operators: the same kernels in the same order, so the same bits, over steps that
+mix prefills, a chunked prefill, decodes and padding. Its agreement with HF transformers is
+test_correctness.py's (the operator is the default)."""
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from vllm_mindspore.ops.attention import AttentionMetadata
+
+ms.set_context(mode=ms.GRAPH_MODE)
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 12
+ROWS = 4  # request rows of the attention metadata
+PADDED_TOKENS = 40
+
+MODELS = {
+    # q/k/v bias, tied embeddings, an intermediate size whose gate|up halves are not whole
+    # panels of the packed matmul (the kernel's unfused silu * up).
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, intermediate_size=72)),
+    "qwen3": ("Qwen3ForCausalLM", dict(num_hidden_layers=3)),  # q/k head norms
+    "llama": ("LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
+                                       head_dim=16)),
+}
+
+# Two steps of requests (tokens this step, tokens before it): A and B prefill (B in two chunks),
+# then A decodes beside B's second chunk and a new request C.
+STEPS = [[(7, 0), (12, 0)], [(1, 7), (8, 12), (5, 0)]]
+
+
+def build(arch: str, model_dir: str, layer_kernel: bool, monkeypatch):
+    from transformers import AutoConfig
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from model_backends.native.llama import LlamaForCausalLM
+    from model_backends.native.qwen2 import Qwen2ForCausalLM
+    from model_backends.native.qwen3 import Qwen3ForCausalLM
+    from model_backends.native.weights import load_checkpoint, process_weights_after_loading
+
+    classes = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    monkeypatch.setenv("VLLM_MS_CPU_LAYER_KERNEL", "1" if layer_kernel else "0")
+    with set_current_vllm_config(VllmConfig()):  # vLLM's rope tables read it
+        model = classes[arch](AutoConfig.from_pretrained(model_dir), BLOCK_SIZE, ms.float32)
+    load_checkpoint(model, model_dir, model.checkpoint_name_to_param)
+    process_weights_after_loading(model)
+    model.allocate_kv_cache(NUM_BLOCKS, ms.float32)
+    return model
+
+
+def run_steps(model, vocab_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """-> (each step's hidden states [PADDED_TOKENS, hidden], every layer's key and value cache
+    after the steps)."""
+    rng = np.random.default_rng(0)
+    # Request r holds blocks 3r, 3r + 1, 3r + 2, in a scrambled order.
+    block_tables = np.zeros((ROWS, 3), np.int32)
+    block_tables[:3] = rng.permutation(9).reshape(3, 3)
+    outputs = []
+    for step in STEPS:
+        scheduled = np.array([n for n, _ in step], np.int32)
+        computed = np.array([c for _, c in step], np.int32)
+        positions = np.concatenate([np.arange(c, c + n) for n, c in step]).astype(np.int32)
+        metadata = AttentionMetadata.build(scheduled, computed, positions, block_tables,
+                                           BLOCK_SIZE, PADDED_TOKENS)
+        ids = np.zeros(PADDED_TOKENS, np.int32)
+        ids[:len(positions)] = rng.integers(0, vocab_size, len(positions))
+        padded_positions = np.zeros(PADDED_TOKENS, np.int32)
+        padded_positions[:len(positions)] = positions
+        hidden = model(ms.Tensor(ids), ms.Tensor(padded_positions), *metadata.tensors())
+        outputs.append(hidden.asnumpy())
+    caches = [cache.asnumpy() for layer in model.attention_layers().values()
+              for cache in (layer.key_cache, layer.value_cache)]
+    return outputs, caches
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch, name):
+    arch, overrides = MODELS[name]
+    model_dir = tiny_model_factory(arch, **overrides)
+    one_operator = build(arch, model_dir, True, monkeypatch)
+    separate = build(arch, model_dir, False, monkeypatch)
+    assert all(layer.layer_kernel is not None for layer in one_operator.model.layers)
+    assert all(layer.layer_kernel is None for layer in separate.model.layers)
+    vocab = one_operator.config.vocab_size
+    (fused_out, fused_caches), (ref_out, ref_caches) = (run_steps(m, vocab)
+                                                        for m in (one_operator, separate))
+    for step, (fused, ref) in enumerate(zip(fused_out, ref_out)):
+        tokens = sum(n for n, _ in STEPS[step])
+        assert np.abs(ref[:tokens]).max() > 0
+        np.testing.assert_array_equal(fused[:tokens], ref[:tokens], err_msg=f"step {step}")
+    for fused, ref in zip(fused_caches, ref_caches):
+        assert np.abs(ref).max() > 0
+        np.testing.assert_array_equal(fused, ref)

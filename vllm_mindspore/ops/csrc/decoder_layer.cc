@@ -1,0 +1,158 @@
+// CPU kernel behind vllm_mindspore.ops.decoder: a Llama-family decoder layer (pre-norm attention
+// and MLP, both residual) as one operator, running the plugin's own kernels in turn on its
+// intermediates. MindSpore launches each operator of a graph for ~10 us on these CPUs; a layer
+// of separate operators is 7 launches (norm, q|k|v, attention, o, norm, gate|up, down), 58 of a
+// batch-1 decode step's 68.
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+extern "C" {
+int RmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
+int AddRmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
+int Linear(int, void **, int *, int64_t **, const char **, void *, void *);
+int LinearBias(int, void **, int *, int64_t **, const char **, void *, void *);
+int LinearSiluMul(int, void **, int *, int64_t **, const char **, void *, void *);
+int RotaryPagedAttentionNeox(int, void **, int *, int64_t **, const char **, void *, void *);
+}
+
+namespace {
+
+using Kernel = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
+
+// The operator's inputs; an optional one (residual, qkv_bias, qk_norm) is absent when empty.
+enum Input {
+  kHidden,       // [T, E]
+  kResidual,     // [T, E], or [0] (the first layer: the stream starts at hidden)
+  kInputNorm,    // [E]
+  kEps,          // [1] float32, every norm's
+  kQkv,          // packed q|k|v (linear.cc)
+  kQkvBias,      // [N] or [0]
+  kQkNorm,       // [H + KVH, D] (Qwen3's stacked q_norm | k_norm) or [0]
+  kOProj,        // packed [E, H * Dv]
+  kPostNorm,     // [E]
+  kGateUp,       // packed gate|up [2I, E]
+  kDown,         // packed [E, I]
+  kKeyCache,     // the attention's (paged_attention.cc) ...
+  kValueCache,
+  kSlotMapping,
+  kBlockTables,
+  kSeqLens,
+  kQLens,
+  kScale,
+  kPositions,
+  kCosSin,       // ... inputs
+  kSizes,        // [2] int32: H (this layer's query heads), I (intermediate size)
+  kInputs
+};
+
+// One argument of a kernel call: data, shape, dtype.
+struct Arg {
+  void *data;
+  std::vector<int64_t> shape;
+  const char *dtype;
+};
+
+int call(Kernel kernel, const std::vector<Arg> &args) {
+  std::vector<void *> params;
+  std::vector<int> ndims;
+  std::vector<std::vector<int64_t>> shape_storage;
+  std::vector<int64_t *> shapes;
+  std::vector<const char *> dtypes;
+  for (const Arg &arg : args) {
+    params.push_back(arg.data);
+    ndims.push_back(static_cast<int>(arg.shape.size()));
+    shape_storage.push_back(arg.shape);
+    dtypes.push_back(arg.dtype);
+  }
+  for (auto &shape : shape_storage) shapes.push_back(shape.data());
+  return kernel(static_cast<int>(args.size()), params.data(), ndims.data(), shapes.data(),
+                dtypes.data(), nullptr, nullptr);
+}
+
+int64_t elements(int ndims, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndims; ++i) n *= shape[i];
+  return n;
+}
+
+int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  auto input = [&](int i) {
+    return Arg{params[i], std::vector<int64_t>(shapes[i], shapes[i] + ndims[i]), dtypes[i]};
+  };
+  auto present = [&](int i) { return elements(ndims[i], shapes[i]) > 0; };
+  if (ndims[kHidden] != 2 || ndims[kKeyCache] != 4 || ndims[kValueCache] != 4 ||
+      elements(ndims[kSizes], shapes[kSizes]) != 2) {
+    return 1;
+  }
+  const char *act = dtypes[kHidden];
+  const size_t width = std::strcmp(act, "float32") == 0 ? 4 : 2;
+  const int64_t T = shapes[kHidden][0], E = shapes[kHidden][1];
+  const int64_t kv_heads = shapes[kKeyCache][1], D = shapes[kKeyCache][2];
+  const int64_t Dv = shapes[kValueCache][3];
+  const int32_t *sizes = static_cast<const int32_t *>(params[kSizes]);
+  const int64_t heads = sizes[0], I = sizes[1];
+  const int64_t N = (heads + kv_heads) * D + kv_heads * Dv;
+  const Arg hidden_out{params[kInputs], {T, E}, act};
+  const Arg residual_out{params[kInputs + 1], {T, E}, act};
+  // The intermediates, reused from call to call (a buffer only grows).
+  thread_local std::vector<char> normed_buffer, qkv_buffer, qk_buffer, attn_buffer, o_buffer,
+      gated_buffer;
+  auto scratch = [&](std::vector<char> &buffer, std::vector<int64_t> shape) {
+    buffer.resize(static_cast<size_t>(elements(static_cast<int>(shape.size()), shape.data())) *
+                  width);
+    return Arg{buffer.data(), std::move(shape), act};
+  };
+  const Arg normed = scratch(normed_buffer, {T, E});
+  const Arg qkv = scratch(qkv_buffer, {T, N});
+  const Arg attn = scratch(attn_buffer, {T, heads, Dv});
+  const Arg o = scratch(o_buffer, {T, E});
+  const Arg gated = scratch(gated_buffer, {T, I});
+  const Arg qk = present(kQkNorm) ? scratch(qk_buffer, {T, heads + kv_heads, D}) : qkv;
+
+  // Each step as its own operator would run it; the first kernel that refuses its inputs
+  // (status != 0) stops the layer, and MindSpore raises.
+  std::vector<std::pair<Kernel, std::vector<Arg>>> steps;
+  if (present(kResidual)) {
+    steps.push_back({AddRmsNorm, {input(kHidden), input(kResidual), input(kInputNorm),
+                                  input(kEps), normed, residual_out}});
+  } else {
+    std::memcpy(residual_out.data, params[kHidden], static_cast<size_t>(T * E) * width);
+    steps.push_back({RmsNorm, {input(kHidden), input(kInputNorm), input(kEps), normed}});
+  }
+  if (present(kQkvBias)) {
+    steps.push_back({LinearBias, {normed, input(kQkv), input(kQkvBias), qkv}});
+  } else {
+    steps.push_back({Linear, {normed, input(kQkv), qkv}});
+  }
+  if (present(kQkNorm)) steps.push_back({RmsNorm, {qkv, input(kQkNorm), input(kEps), qk}});
+  steps.push_back({RotaryPagedAttentionNeox,
+                   {qk, qkv, input(kKeyCache), input(kValueCache), input(kSlotMapping),
+                    input(kBlockTables), input(kSeqLens), input(kQLens), input(kScale),
+                    input(kPositions), input(kCosSin), attn}});
+  steps.push_back({Linear, {Arg{attn.data, {T, heads * Dv}, act}, input(kOProj), o}});
+  // In place on the residual stream: the norm reads a row whole before it writes it.
+  steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), normed,
+                                residual_out}});
+  steps.push_back({LinearSiluMul, {normed, input(kGateUp), gated}});
+  steps.push_back({Linear, {gated, input(kDown), hidden_out}});
+  for (const auto &[kernel, args] : steps) {
+    if (const int status = call(kernel, args)) return status;
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The inputs above -> (the layer's output [T, E], the residual stream before it [T, E]), as
+// LlamaDecoderLayer.construct returns them.
+int DecoderLayer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                 void *, void *) {
+  return nparam == kInputs + 2 ? decoder_layer(params, ndims, shapes, dtypes) : 1;
+}
+
+}  // extern "C"
