@@ -31,14 +31,13 @@ class DecoderLayerKernel(nn.Cell):
                  post_norm: RMSNorm, gate_up, down, attention: PagedAttention,
                  intermediate_size: int):
         super().__init__()
-        absent = ms.Tensor(np.zeros(0, np.float32))
+        self.absent = ms.Tensor(np.zeros(0, np.float32))  # an optional input left out
         self.input_norm, self.post_norm = input_norm.weight, post_norm.weight
         self.eps = input_norm.eps_tensor
         self.qkv, self.o_proj, self.gate_up, self.down = qkv, o_proj, gate_up, down
-        self.qkv_bias = absent if qkv_bias is None else qkv_bias
-        self.qk_norm = absent if qk_norm is None else qk_norm.weight
+        self.qkv_bias = self.absent if qkv_bias is None else qkv_bias
+        self.qk_norm = self.absent if qk_norm is None else qk_norm.weight
         self.cos_sin, self.scale = attention.cos_sin, attention.scale_tensor
-        self.no_residual = absent
         self.sizes = ms.Tensor([attention.num_heads, intermediate_size], ms.int32)
         self.kernel = kernels.custom_op("DecoderLayer", lambda h, *_: (h, h),
                                         lambda h, *_: (h, h))
@@ -53,7 +52,7 @@ class DecoderLayerKernel(nn.Cell):
     def construct(self, hidden, residual, key_cache, value_cache, positions, slot_mapping,
                   block_tables, batch_valid_length, q_seq_lens):
         if residual is None:
-            residual = self.no_residual
+            residual = self.absent
         return self.kernel(hidden, residual, self.input_norm, self.eps, self.qkv, self.qkv_bias,
                            self.qk_norm, self.o_proj, self.post_norm, self.gate_up, self.down,
                            key_cache, value_cache, slot_mapping, block_tables, batch_valid_length,
