@@ -37,6 +37,7 @@ from model_backends import build_backend
 from model_backends.contract import ModelBackend, StepTensors
 from vllm_mindspore import envs
 from vllm_mindspore.distributed.communication import expert_parallel_across_dp
+from vllm_mindspore.heap import frozen_heap
 from vllm_mindspore.ops import AttentionMetadata
 from vllm_mindspore.patches import SAMPLER_PATCHES, apply
 from vllm_mindspore.platform import ASCEND, DEVICE, precision_for
@@ -217,14 +218,16 @@ class MindSporeModelRunner:
         token count (static sizes), or once each (dynamic)."""
         start = time.perf_counter()
         token_sizes = self.sizes.tokens if self.sizes.static else [4]
-        for num_tokens in token_sizes:
-            self.backend.compile_step(self._dummy_call(num_tokens).step_tensors())
-        if not self.sizes.static:  # Ascend's graph for steps of first prefills only
-            self.backend.compile_step(self._dummy_call(4)._replace(prefill_only=True).step_tensors())
-        for num_rows in (self.sizes.rows if self.sizes.static else [2]):
-            self.backend.compile_logits(num_rows)
-        for num_tokens in self.sizes.decode_tokens:
-            self.backend.compile_decode(self._dummy_call(num_tokens).step_tensors())
+        with frozen_heap():
+            for num_tokens in token_sizes:
+                self.backend.compile_step(self._dummy_call(num_tokens).step_tensors())
+            if not self.sizes.static:  # Ascend's graph for steps of first prefills only
+                self.backend.compile_step(
+                    self._dummy_call(4)._replace(prefill_only=True).step_tensors())
+            for num_rows in (self.sizes.rows if self.sizes.static else [2]):
+                self.backend.compile_logits(num_rows)
+            for num_tokens in self.sizes.decode_tokens:
+                self.backend.compile_decode(self._dummy_call(num_tokens).step_tensors())
         compiled = time.perf_counter() - start
         # Ranks compile at their own pace; MindSpore's collectives time out long before a slow
         # peer's compile ends, so every rank waits here (vLLM's gloo world group) before the
