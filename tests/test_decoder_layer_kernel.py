@@ -23,7 +23,12 @@ MODELS = {
     "qwen3": ("Qwen3ForCausalLM", dict(num_hidden_layers=3)),  # q/k head norms
     "llama": ("LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
                                        head_dim=16)),
+    # Layer 1 dense (mlp_only_layers) between two sparse ones: it alone is one operator.
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
 }
+ONE_OPERATOR_LAYERS = {"qwen3-moe": [False, True, False]}  # the others: every layer
 
 # Two steps of requests (tokens this step, tokens before it): A and B prefill (B in two chunks),
 # then A decodes beside B's second chunk and a new request C.
@@ -37,9 +42,11 @@ def build(arch: str, model_dir: str, layer_kernel: bool, monkeypatch):
     from model_backends.native.llama import LlamaForCausalLM
     from model_backends.native.qwen2 import Qwen2ForCausalLM
     from model_backends.native.qwen3 import Qwen3ForCausalLM
+    from model_backends.native.qwen3_moe import Qwen3MoeForCausalLM
     from model_backends.native.weights import load_checkpoint, process_weights_after_loading
 
-    classes = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    classes = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                                     Qwen3MoeForCausalLM)}
     monkeypatch.setenv("VLLM_MS_CPU_LAYER_KERNEL", "1" if layer_kernel else "0")
     with set_current_vllm_config(VllmConfig()):  # vLLM's rope tables read it
         model = classes[arch](AutoConfig.from_pretrained(model_dir), BLOCK_SIZE, ms.float32)
@@ -80,7 +87,9 @@ def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch,
     model_dir = tiny_model_factory(arch, **overrides)
     one_operator = build(arch, model_dir, True, monkeypatch)
     separate = build(arch, model_dir, False, monkeypatch)
-    assert all(layer.layer_kernel is not None for layer in one_operator.model.layers)
+    layers = one_operator.config.num_hidden_layers
+    expected = ONE_OPERATOR_LAYERS.get(name, [True] * layers)
+    assert [layer.layer_kernel is not None for layer in one_operator.model.layers] == expected
     assert all(layer.layer_kernel is None for layer in separate.model.layers)
     vocab = one_operator.config.vocab_size
     (fused_out, fused_caches), (ref_out, ref_caches) = (run_steps(m, vocab)
