@@ -13,7 +13,7 @@ from mindspore import nn
 from vllm.config import VllmConfig, set_current_vllm_config
 
 from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention
-from vllm_mindspore.ops.host import parameter, to_host
+from vllm_mindspore.ops.host import to_host, zeros_parameter
 from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.quant_reference import to_dtype
 from vllm_mindspore.ops.rotary import RotaryEmbedding, rope_cos_sin
@@ -36,8 +36,8 @@ class GroupedQueryStep(nn.Cell):
         super().__init__()
         self.attn = PagedAttention(HEADS, self.KV_HEADS, self.HEAD_SIZE, self.SCALE, BLOCK_SIZE)
         key_shape, value_shape = self.attn.cache_shapes(NUM_BLOCKS)
-        self.key_cache = parameter(np.zeros(key_shape, np.float32), cache_dtype, "key_cache")
-        self.value_cache = parameter(np.zeros(value_shape, np.float32), cache_dtype, "value_cache")
+        self.key_cache = zeros_parameter(key_shape, cache_dtype, "key_cache")
+        self.value_cache = zeros_parameter(value_shape, cache_dtype, "value_cache")
 
     @classmethod
     def tokens(cls, g, n: int):
@@ -114,8 +114,7 @@ class LatentStep(nn.Cell):
     def __init__(self, cache_dtype):
         super().__init__()
         self.attn = MLAAttention(HEADS, self.RANK, 16, self.ROPE, 16, self.SCALE, BLOCK_SIZE)
-        self.cache = parameter(np.zeros(self.attn.cache_shape(NUM_BLOCKS), np.float32),
-                               cache_dtype, "kv_cache")
+        self.cache = zeros_parameter(self.attn.cache_shape(NUM_BLOCKS), cache_dtype, "kv_cache")
 
     @classmethod
     def tokens(cls, g, n: int):

@@ -21,7 +21,7 @@ final-normed hidden states; the logits are mf's output layer, a second graph ove
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, mint, mutable, nn, ops
+from mindspore import mint, mutable, nn, ops
 from safetensors import safe_open
 
 from model_backends import MINDFORMERS
@@ -32,6 +32,7 @@ from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByM
 from model_backends.native.checkpoint import WeightLoadError, safetensors_files
 from model_backends.native.weights import is_mtp_tensor
 from vllm_mindspore.ops.attention import prefill_mask
+from vllm_mindspore.ops.host import zeros_parameter
 from vllm_mindspore.platform import ASCEND, DEVICE, kernel_device
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -303,15 +304,12 @@ class MindFormersBackend:
             return
         for name, cell in self._attention_cells().items():
             if self.mla:
-                cell.kv_cache_cpu = Parameter(
-                    mint.zeros(cell.cpu_attention.cache_shape(num_blocks), dtype=dtype),
-                    name=f"{name}.kv_cache", requires_grad=False)
+                cell.kv_cache_cpu = zeros_parameter(cell.cpu_attention.cache_shape(num_blocks),
+                                                    dtype, f"{name}.kv_cache")
                 continue
             key_shape, value_shape = cell.cpu_attention.cache_shapes(num_blocks)
-            cell.key_cache_cpu = Parameter(mint.zeros(key_shape, dtype=dtype),
-                                           name=f"{name}.key_cache", requires_grad=False)
-            cell.value_cache_cpu = Parameter(mint.zeros(value_shape, dtype=dtype),
-                                             name=f"{name}.value_cache", requires_grad=False)
+            cell.key_cache_cpu = zeros_parameter(key_shape, dtype, f"{name}.key_cache")
+            cell.value_cache_cpu = zeros_parameter(value_shape, dtype, f"{name}.value_cache")
 
     # ---- step ------------------------------------------------------------------------------
     def _arguments(self, step) -> dict:

@@ -20,6 +20,7 @@ from model_backends.native.llama import LlamaDecoderLayer, LlamaForCausalLM, Lla
 from model_backends.native.moe import RoutedExperts
 from model_backends.native.weights import is_mtp_tensor
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
+from vllm_mindspore.ops.host import zeros_parameter
 from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.moe import group_limited_topk
 
@@ -93,8 +94,8 @@ class DeepseekV3Attention(nn.Cell):
         self.kv_cache = None
 
     def allocate_kv_cache(self, num_blocks: int, dtype, layer_name: str) -> None:
-        self.kv_cache = Parameter(mint.zeros(self.attn.cache_shape(num_blocks), dtype=dtype),
-                                  name=f"{layer_name}.kv_cache", requires_grad=False)
+        self.kv_cache = zeros_parameter(self.attn.cache_shape(num_blocks), dtype,
+                                        f"{layer_name}.kv_cache")
 
     def construct(self, positions, hidden, attn_metadata, prefill_only):
         num_tokens = hidden.shape[0]

@@ -9,7 +9,7 @@ and gate/up run as one matmul each (`process_weights_after_loading`).
 """
 
 import mindspore as ms
-from mindspore import Parameter, mint, nn
+from mindspore import nn
 
 from model_backends.native.layers import (ColumnParallelLinear, Linear, ParallelLMHead,
                                           RowParallelLinear, ShardSpec,
@@ -18,6 +18,7 @@ from model_backends.native.layers import (ColumnParallelLinear, Linear, Parallel
 from vllm_mindspore import envs
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.decoder import DecoderLayerKernel
+from vllm_mindspore.ops.host import zeros_parameter
 
 
 class LlamaAttention(nn.Cell):
@@ -63,10 +64,8 @@ class LlamaAttention(nn.Cell):
 
     def allocate_kv_cache(self, num_blocks: int, dtype, layer_name: str) -> None:
         key_shape, value_shape = self.attn.cache_shapes(num_blocks)
-        self.key_cache = Parameter(mint.zeros(key_shape, dtype=dtype),
-                                   name=f"{layer_name}.key_cache", requires_grad=False)
-        self.value_cache = Parameter(mint.zeros(value_shape, dtype=dtype),
-                                     name=f"{layer_name}.value_cache", requires_grad=False)
+        self.key_cache = zeros_parameter(key_shape, dtype, f"{layer_name}.key_cache")
+        self.value_cache = zeros_parameter(value_shape, dtype, f"{layer_name}.value_cache")
 
     def process_weights_after_loading(self, prefix: str) -> None:
         """q|k|v as one projection; q_norm|k_norm as one norm over the stacked q and k heads."""
