@@ -46,7 +46,7 @@ def build(arch: str, model_dir: str, layer_kernel: bool, monkeypatch):
     from model_backends.native.weights import load_checkpoint, process_weights_after_loading
 
     classes = {cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                                                     Qwen3MoeForCausalLM)}
+                                             Qwen3MoeForCausalLM)}
     monkeypatch.setenv("VLLM_MS_CPU_LAYER_KERNEL", "1" if layer_kernel else "0")
     with set_current_vllm_config(VllmConfig()):  # vLLM's rope tables read it
         model = classes[arch](AutoConfig.from_pretrained(model_dir), BLOCK_SIZE, ms.float32)
@@ -87,8 +87,7 @@ def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch,
     model_dir = tiny_model_factory(arch, **overrides)
     one_operator = build(arch, model_dir, True, monkeypatch)
     separate = build(arch, model_dir, False, monkeypatch)
-    layers = one_operator.config.num_hidden_layers
-    expected = ONE_OPERATOR_LAYERS.get(name, [True] * layers)
+    expected = ONE_OPERATOR_LAYERS.get(name, [True] * one_operator.config.num_hidden_layers)
     assert [layer.layer_kernel is not None for layer in one_operator.model.layers] == expected
     assert all(layer.layer_kernel is None for layer in separate.model.layers)
     vocab = one_operator.config.vocab_size

@@ -3,6 +3,8 @@
 import contextlib
 import gc
 
+from vllm.utils.gc_utils import freeze_gc_heap
+
 
 @contextlib.contextmanager
 def frozen_heap():
@@ -17,8 +19,7 @@ def frozen_heap():
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
-    gc.freeze()
+    freeze_gc_heap()  # vLLM's: a full collection, then gc.freeze()
     try:
         yield
     finally:

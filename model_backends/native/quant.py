@@ -21,11 +21,11 @@ from typing import NamedTuple
 import mindspore as ms
 import numpy as np
 import torch
-from mindspore import Parameter
 
 from model_backends.native.quant_config import (ASCEND, DESCRIPTION_FILES, DYNAMIC, FLOAT,
                                                 GOLDEN_STICK, STATIC, QuantDescription,
                                                 QuantDescriptionError)
+from vllm_mindspore.ops.host import zeros_parameter
 from vllm_mindspore.ops.quant import QuantArrays, concat_arrays
 from vllm_mindspore.ops.quant_reference import deq_scale_as_float
 
@@ -183,10 +183,6 @@ def _float_bias_dropped(tensor, name):
 
 
 # ---- building ---------------------------------------------------------------------------------------
-def _zeros(shape, dtype) -> Parameter:
-    return Parameter(ms.Tensor(np.zeros(shape, dtype)), requires_grad=False)
-
-
 def make_quantized(linear, scheme: str, method: str, checkpoint: str) -> None:
     """Give `linear` the tensors of `scheme` (see the module docstring)."""
     from model_backends.native.layers import tp_rank_and_size
@@ -196,13 +192,13 @@ def make_quantized(linear, scheme: str, method: str, checkpoint: str) -> None:
     row_parallel = weight_shard is not None and weight_shard.dim == 1
     rows = weight_shard if weight_shard is not None and weight_shard.dim == 0 else None
     columns = (weight_shard.start, weight_shard.size) if row_parallel else None
-    linear.weight = _zeros((out_features, in_features), np.int8)
+    linear.weight = zeros_parameter((out_features, in_features), ms.int8)
     specs = {"weight": TensorSpec(weight_shard, _int8_weight((out_features, in_features)))}
     if scheme == STATIC:
-        linear.deq_scale = _zeros(out_features, np.float32)
-        linear.quant_bias = _zeros(out_features, np.int32)
-        linear.input_scale = _zeros(in_features, np.float32)
-        linear.input_offset = _zeros(in_features, np.float32)
+        linear.deq_scale = zeros_parameter(out_features, ms.float32)
+        linear.quant_bias = zeros_parameter(out_features, ms.int32)
+        linear.input_scale = zeros_parameter(in_features, ms.float32)
+        linear.input_offset = zeros_parameter(in_features, ms.float32)
         specs.update(
             deq_scale=TensorSpec(rows, _per_channel(out_features, "deq_scale")),
             # Row parallel: the whole quant_bias, added on rank 0 only (see compute_arrays).
@@ -221,7 +217,7 @@ def make_quantized(linear, scheme: str, method: str, checkpoint: str) -> None:
                 out_features, "its meaning beyond zero is not established (docs/quantization.md)"),
                 True)
     else:
-        setattr(linear, DYNAMIC_SCALE[method], _zeros(out_features, np.float32))
+        setattr(linear, DYNAMIC_SCALE[method], zeros_parameter(out_features, ms.float32))
         specs.update({
             DYNAMIC_SCALE[method]: TensorSpec(rows, _per_channel(out_features, "scale")),
             "weight_offset": TensorSpec(rows, _checked_and_dropped(out_features, _SYMMETRIC),

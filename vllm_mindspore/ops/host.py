@@ -1,6 +1,7 @@
 """Weights rearranged on the host once they are loaded (fusing, transposing, splitting,
 stacking): numpy in and out, so the same code serves every device and dtype (bfloat16, which
-numpy lacks, passes through float32 exactly)."""
+numpy lacks, passes through float32 exactly). And Parameters of zeros: the KV caches, and the
+placeholders that loading fills."""
 
 import mindspore as ms
 import numpy as np
@@ -24,8 +25,8 @@ def parameter(array: np.ndarray, dtype, name: str) -> ms.Parameter:
     return ms.Parameter(tensor, name=name, requires_grad=False)
 
 
-def zeros_parameter(shape: tuple[int, ...], dtype, name: str) -> ms.Parameter:
-    """A Parameter of zeros (a KV cache) whose memory is not written here. `Parameter(tensor)`
+def zeros_parameter(shape, dtype, name: str | None = None) -> ms.Parameter:
+    """A Parameter of zeros whose memory is not written here. `Parameter(tensor)`
     copies its tensor twice, through numpy: a 4 GiB cache took ~21 s at start-up. An
     initializer's zeros are pages the OS zeroes as they are first touched."""
     return ms.Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
