@@ -126,33 +126,39 @@ NEEDS_BFLOAT16_DOT = pytest.mark.skipif(not cpu_has_bfloat16_dot(),
                                        reason="this CPU has no AVX512-BF16")
 
 
-@pytest.mark.parametrize("dtype, arch, overrides, widen, reference_rounding, tolerance", [
+# The bfloat16 matmul's paths, as VLLM_MS_CPU_* settings: vdpbf16ps, or AMX tiles where the CPU has
+# them (either rounds each linear's input to bfloat16); or the weights widened to float32 FMAs,
+# which only CPUs without AMX take (AMX takes every step of more than 4 rows).
+ROUNDED_INPUTS = {"VLLM_MS_CPU_BF16_WIDEN": "0"}
+WIDENED_WEIGHTS = {"VLLM_MS_CPU_BF16_WIDEN": "1", "VLLM_MS_CPU_AMX": "0"}
+
+
+@pytest.mark.parametrize("dtype, arch, overrides, cpu_env, reference_rounding, tolerance", [
     # Against HF float32: float16 rounds every activation and weight.
-    ("float16", "LlamaForCausalLM", {}, None, "float32", (2e-2, 3e-2)),
+    ("float16", "LlamaForCausalLM", {}, {}, "float32", (2e-2, 3e-2)),
     # bfloat16 checkpoints, against HF float32 on the same weights with the cached keys/values
-    # rounded to bfloat16 and, on vdpbf16ps (VLLM_MS_CPU_BF16_WIDEN=0), each linear's input too,
-    # as the plugin rounds them on CPU: a dense model matches that to float32 noise (measured
-    # <= 0.003)...
-    pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), "0", "bfloat16",
-                 (1e-2, 5e-3), marks=NEEDS_BFLOAT16_DOT),
-    pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), "1",
+    # rounded to bfloat16 and, on vdpbf16ps or AMX, each linear's input too, as the plugin rounds
+    # them on CPU: a dense model matches that to float32 noise (measured <= 0.003)...
+    pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), ROUNDED_INPUTS,
+                 "bfloat16", (1e-2, 5e-3), marks=NEEDS_BFLOAT16_DOT),
+    pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), WIDENED_WEIGHTS,
                  "bfloat16-cache", (1e-2, 5e-3), marks=NEEDS_BFLOAT16_DOT),
     # ...while the MoE router's top-k turns float32-noise differences in the rounded keys into
     # other experts now and then (measured <= 0.031 on the 268-token prompt).
-    pytest.param("bfloat16", "Qwen3MoeForCausalLM", dict(QWEN3_MOE, save_dtype="bfloat16"), "0",
-                 "bfloat16", (1e-2, 5e-2), marks=[NEEDS_BFLOAT16_DOT, slow(
+    pytest.param("bfloat16", "Qwen3MoeForCausalLM", dict(QWEN3_MOE, save_dtype="bfloat16"),
+                 ROUNDED_INPUTS, "bfloat16", (1e-2, 5e-2), marks=[NEEDS_BFLOAT16_DOT, slow(
                      "35 s; every run checks the bfloat16 MoE experts kernel against numpy "
                      "(tests/test_linear_kernels.py) and bfloat16 through the engine on Llama")]),
 ])
 def test_reduced_precision_is_close_to_hf(make_llm, tiny_model_factory, monkeypatch, dtype, arch,
-                                          overrides, widen, reference_rounding, tolerance):
+                                          overrides, cpu_env, reference_rounding, tolerance):
     """--dtype float16 / bfloat16 on CPU: first tokens agree with the reference (outside near
     ties) and their logprobs are within the dtype's tolerance."""
     from vllm import SamplingParams
 
     near_tie, logprob_tolerance = tolerance
-    if widen is not None:
-        monkeypatch.setenv("VLLM_MS_CPU_BF16_WIDEN", widen)
+    for name, value in cpu_env.items():
+        monkeypatch.setenv(name, value)
     model_dir = tiny_model_factory(arch, **overrides)
     llm = make_llm(model_dir, dtype=dtype)
     outputs = llm.generate(PROMPTS + [LONG_PROMPT],

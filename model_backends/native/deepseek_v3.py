@@ -12,7 +12,7 @@ num_hidden_layers) are not built and their tensors are skipped.
 import math
 
 import mindspore as ms
-from mindspore import Parameter, mint, nn, ops
+from mindspore import mint, nn, ops
 
 from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Linear,
                                           RowParallelLinear, tp_rank_and_size)
@@ -139,11 +139,9 @@ class DeepseekV3TopkRouter(nn.Cell):
         self.topk_group = config.topk_group or 1
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.routed_scaling_factor = float(config.routed_scaling_factor)
-        self.weight = Parameter(mint.zeros((self.num_experts, config.hidden_size), dtype=dtype),
-                                requires_grad=False)
+        self.weight = zeros_parameter((self.num_experts, config.hidden_size), dtype)
         # float32 in the checkpoints (HF keeps it in float32 whatever the model dtype).
-        self.e_score_correction_bias = Parameter(mint.zeros(self.num_experts, dtype=ms.float32),
-                                                 requires_grad=False)
+        self.e_score_correction_bias = zeros_parameter((self.num_experts,), ms.float32)
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, hidden):

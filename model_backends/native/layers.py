@@ -10,11 +10,10 @@ from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, mint, nn, ops
-from mindspore.common.initializer import initializer
+from mindspore import mint, nn, ops
 
 from vllm_mindspore.distributed.communication import sized_collective, tp_group
-from vllm_mindspore.ops.host import parameter, to_host
+from vllm_mindspore.ops.host import parameter, to_host, zeros_parameter
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul
 from vllm_mindspore.ops.quant import QuantLinearMethod
 from vllm_mindspore.platform import ASCEND, CPU, kernel_device
@@ -122,13 +121,6 @@ def collect_shards(model: nn.Cell) -> dict[str, ShardSpec]:
     return specs
 
 
-def _empty(shape, dtype) -> Parameter:
-    # Filled by the weight loader; zeros keep an unloaded tensor deterministic. Initialised
-    # lazily: a weight the loader replaces (a W8A8 layer's int8 weight) never takes its float
-    # size in memory.
-    return Parameter(initializer("zeros", shape, dtype), requires_grad=False)
-
-
 class Linear(nn.Cell):
     """y = x @ weight.T (+ bias), replicated on every rank. x: [T, in] -> [T, out], or
     [T, out / 2] = silu(gate) * up for a fused gate|up projection (`silu_and_mul`).
@@ -150,8 +142,8 @@ class Linear(nn.Cell):
         self.quant = None  # a quant.LinearQuant when the checkpoint quantizes this layer
         self.checkpoint_prefix = None  # its name, set for W8A8 checkpoints (error messages)
         self.quant_method = None  # its device kernel, after loading
-        self.weight = _empty((out_features, in_features), dtype)
-        self.bias = _empty((out_features,), dtype) if bias else None
+        self.weight = zeros_parameter((out_features, in_features), dtype)
+        self.bias = zeros_parameter((out_features,), dtype) if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
         self.packed = None  # CPU: the kernel over the packed weight
         self.act = SiluAndMul() if silu_and_mul else None
@@ -307,7 +299,7 @@ class VocabParallelEmbedding(nn.Cell):
         super().__init__()
         per_rank, shard = vocab_shard(num_embeddings)
         self.vocab_start, self.vocab_rows = shard.start, shard.size
-        self.weight = _empty((per_rank, embedding_dim), dtype)
+        self.weight = zeros_parameter((per_rank, embedding_dim), dtype)
         tp_size = tp_rank_and_size()[1]
         self.shards = {"weight": shard} if tp_size > 1 else {}
         self.all_reduce = ops.AllReduce(group=tp_group()) if tp_size > 1 else None
@@ -336,7 +328,7 @@ class ParallelLMHead(nn.Cell):
         self.tp_rank, self.tp_size = tp_rank_and_size()
         if tied is None:
             per_rank, shard = vocab_shard(vocab_size)
-            self.weight = _empty((per_rank, hidden_size), dtype)
+            self.weight = zeros_parameter((per_rank, hidden_size), dtype)
             self.shards = {"weight": shard} if self.tp_size > 1 else {}
         self.tied = tied
         self.matmul = ops.MatMul(transpose_b=True)

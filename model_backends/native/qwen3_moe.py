@@ -6,12 +6,13 @@ in the checkpoints: `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight
 """
 
 import mindspore as ms
-from mindspore import Parameter, mint, nn, ops
+from mindspore import nn, ops
 
 from model_backends.native.layers import ExpertShard
 from model_backends.native.llama import LlamaForCausalLM
 from model_backends.native.moe import RoutedExperts
 from model_backends.native.qwen3 import Qwen3DecoderLayer
+from vllm_mindspore.ops.host import zeros_parameter
 
 
 class Qwen3MoeTopKRouter(nn.Cell):
@@ -22,8 +23,7 @@ class Qwen3MoeTopKRouter(nn.Cell):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = bool(config.norm_topk_prob)
-        self.weight = Parameter(mint.zeros((config.num_experts, config.hidden_size), dtype=dtype),
-                                requires_grad=False)
+        self.weight = zeros_parameter((config.num_experts, config.hidden_size), dtype)
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, hidden):

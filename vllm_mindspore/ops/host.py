@@ -26,7 +26,9 @@ def parameter(array: np.ndarray, dtype, name: str) -> ms.Parameter:
 
 
 def zeros_parameter(shape, dtype, name: str | None = None) -> ms.Parameter:
-    """A Parameter of zeros whose memory is not written here. `Parameter(tensor)`
-    copies its tensor twice, through numpy: a 4 GiB cache took ~21 s at start-up. An
-    initializer's zeros are pages the OS zeroes as they are first touched."""
+    """A Parameter of zeros whose memory is not written here: KV caches, and weights the
+    loader fills. `Parameter(tensor)` copies its tensor twice, through numpy: a 4 GiB cache
+    took ~21 s at start-up. An initializer's zeros are pages the OS zeroes as they are first
+    touched, so a weight the loader replaces (a W8A8 layer's int8 weight) never takes its
+    float size in memory."""
     return ms.Parameter(initializer("zeros", shape, dtype), name=name, requires_grad=False)
