@@ -394,9 +394,9 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
   // core's L2 holds its share of the weights and a chunk of x rather than all of the weights
   // (AMX, 8192 rows, standalone: 0-28% faster by shape; a wave of 64 x 128-token prefills 4-9%
   // faster in the model, float32 1-3%); a decode's one chunk keeps a single range.
-  const int64_t groups =
+  const int64_t ranges =
       chunks > 1 && parallel ? std::min({int64_t{num_threads}, panels, kMaxRanges}) : 1;
-  auto first_panel = [&](int64_t g) { return panels * g / groups; };
+  auto first_panel = [&](int64_t g) { return panels * g / ranges; };
   auto begin = [&](int64_t g) { return chunks * first_panel(g); };
   auto chunk_and_panel = [&](int64_t item) {  // -> {chunk, panel}
     int64_t g = 0;
@@ -404,7 +404,7 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
     const int64_t width = first_panel(g + 1) - first_panel(g), at = item - begin(g);
     return std::pair<int64_t, int64_t>{at / width, first_panel(g) + at % width};
   };
-  parallel_for_claiming_next_in_ranges<ThreadState>(groups, begin, [&](int64_t item,
+  parallel_for_claiming_next_in_ranges<ThreadState>(ranges, begin, [&](int64_t item,
                                                                        int64_t next) {
     const auto [chunk, p] = chunk_and_panel(item);
     const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);

@@ -138,34 +138,34 @@ inline Pool &pool() {
 // Nothing to set up on a thread before its first index (AMX sets up its tiles).
 struct NoThreadState {};
 
-// body(i, next) for i in [0, n), one index at a time to whichever thread claims it, in `groups`
-// ranges [begin(g), begin(g + 1)) (begin(0) = 0, begin(groups) = n, 1 <= groups <= kMaxRanges): the k-th thread to start
-// claims from range k % groups first, in order, then from the ranges after it. A thread so keeps
-// to the data of its own range while there is any (a prefill matmul's weight panels: one half a
-// core kept both cores' L2 from holding every panel) and helps with the others' at the end. With
-// many indices (at least 4 a thread) or one thread, a thread claims its next index before it runs
-// the current one, so the body can prefetch for `next` (-1: none, or in another range); with
-// fewer, claiming ahead could leave a thread idle (two decodes: one each), and `next` is -1. A
-// thread holds a ThreadState from its first index to its last. `parallel` off: all on the
-// calling thread.
 constexpr int64_t kMaxRanges = 64;
 
+// body(i, next) for i in [0, n), one index at a time to whichever thread claims it, from
+// `ranges` ranges [begin(g), begin(g + 1)) (begin(0) = 0, begin(ranges) = n, ranges <= kMaxRanges):
+// the k-th thread to start claims from range k % ranges first, in order, then from the ranges
+// after it. A thread so keeps to its own range's data while there is any (a prefill matmul's
+// weight panels: each core's L2 then holds only its share of them) and helps with the others'
+// at the end. With many indices (at least 4 a thread) or one thread, a thread claims its next
+// index before it runs the current one, so the body can prefetch for `next` (-1: none, or in
+// another range); with fewer, claiming ahead could leave a thread idle (two decodes: one each),
+// and `next` is -1. A thread holds a ThreadState from its first index to its last. `parallel`
+// off: all on the calling thread.
 template <typename ThreadState = NoThreadState, typename Begin, typename Body>
-void parallel_for_claiming_next_in_ranges(int64_t groups, const Begin &begin, const Body &body,
+void parallel_for_claiming_next_in_ranges(int64_t ranges, const Begin &begin, const Body &body,
                                           bool parallel = true) {
   struct alignas(64) Counter {
     std::atomic<int64_t> next;
   } claimed[kMaxRanges];
-  if (groups < 1 || groups > kMaxRanges) std::abort();  // a caller's bug: its begin() has groups
-  for (int64_t g = 0; g < groups; ++g) claimed[g].next.store(begin(g));
-  const int64_t n = begin(groups);
+  if (ranges < 1 || ranges > kMaxRanges) std::abort();  // a caller's bug
+  for (int64_t g = 0; g < ranges; ++g) claimed[g].next.store(begin(g));
+  const int64_t n = begin(ranges);
   const bool ahead = !parallel || n >= 4 * int64_t{num_threads};
   std::atomic<int64_t> arrivals{0};
   auto work = [&] {
-    const int64_t first = arrivals.fetch_add(1) % groups;
+    const int64_t first = arrivals.fetch_add(1) % ranges;
     std::optional<ThreadState> state;
-    for (int64_t k = 0; k < groups; ++k) {
-      const int64_t g = (first + k) % groups, end = begin(g + 1);
+    for (int64_t k = 0; k < ranges; ++k) {
+      const int64_t g = (first + k) % ranges, end = begin(g + 1);
       std::atomic<int64_t> &counter = claimed[g].next;
       for (int64_t i = counter.fetch_add(1); i < end;) {
         if (!state) state.emplace();
