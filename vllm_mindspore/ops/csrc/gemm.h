@@ -397,15 +397,15 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
   const int64_t ranges =
       chunks > 1 && parallel ? std::min({int64_t{num_threads}, panels, kMaxRanges}) : 1;
   auto first_panel = [&](int64_t g) { return panels * g / ranges; };
-  auto begin = [&](int64_t g) { return chunks * first_panel(g); };
+  auto first_item = [&](int64_t g) { return chunks * first_panel(g); };  // of range g
   auto chunk_and_panel = [&](int64_t item) {  // -> {chunk, panel}
     int64_t g = 0;
-    while (item >= begin(g + 1)) ++g;
-    const int64_t width = first_panel(g + 1) - first_panel(g), at = item - begin(g);
+    while (item >= first_item(g + 1)) ++g;
+    const int64_t width = first_panel(g + 1) - first_panel(g), at = item - first_item(g);
     return std::pair<int64_t, int64_t>{at / width, first_panel(g) + at % width};
   };
-  parallel_for_claiming_next_in_ranges<ThreadState>(ranges, begin, [&](int64_t item,
-                                                                       int64_t next) {
+  parallel_for_claiming_next_in_ranges<ThreadState>(ranges, first_item, [&](int64_t item,
+                                                                            int64_t next) {
     const auto [chunk, p] = chunk_and_panel(item);
     const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
     const int64_t next_p = next >= 0 ? chunk_and_panel(next).second : -1;
