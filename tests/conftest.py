@@ -211,7 +211,8 @@ class HFReference:
     `rounding="bfloat16"` it rounds what vllm-mindspore's --dtype bfloat16 rounds on CPU with
     vdpbf16ps, float32 everywhere else: every linear layer's input, and the keys and values
     attention reads (the bfloat16 KV cache); with "bfloat16-cache" only the latter (the bfloat16
-    weights widened to float32, VLLM_MS_CPU_BF16_WIDEN=1)."""
+    weights widened to float32, VLLM_MS_CPU_BF16_WIDEN=1); with "bfloat16-tiles" the former and,
+    as attention rounds them where AMX is there, the scaled queries and softmax numerators."""
 
     def __init__(self, model_dir: str, rounding: str = "float32"):
         import torch
@@ -222,19 +223,36 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.rounding = rounding
-        if rounding in ("bfloat16", "bfloat16-cache"):
+        if rounding in ("bfloat16", "bfloat16-cache", "bfloat16-tiles"):
             def bfloat16_cache_attention(module, query, key, value, *args, **kwargs):
-                return sdpa_attention_forward(module, query, key.bfloat16().float(),
-                                              value.bfloat16().float(), *args, **kwargs)
+                key, value = key.bfloat16().float(), value.bfloat16().float()
+                if rounding == "bfloat16-tiles":
+                    return self._tile_attention(module, query, key, value)
+                return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
             AttentionInterface.register("bfloat16_cache", bfloat16_cache_attention)
             self.model.set_attn_implementation("bfloat16_cache")
+
+    def _tile_attention(self, module, query, key, value):
+        """Causal attention of query [1, H, q, D] (the last q positions) over key/value
+        [1, KVH, S, D] as the tiles compute it -> ([1, q, H, Dv], None)."""
+        torch = self.torch
+        group = module.num_key_value_groups
+        key, value = (x.repeat_interleave(group, dim=1) for x in (key, value))
+        query = (query * module.scaling).bfloat16().float()
+        scores = query @ key.transpose(-1, -2)
+        q_len, keys = scores.shape[-2:]
+        visible = torch.arange(keys)[None, :] <= torch.arange(keys - q_len, keys)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        numerators = torch.exp(scores - scores.amax(-1, keepdim=True))
+        out = (numerators.bfloat16().float() @ value) / numerators.sum(-1, keepdim=True)
+        return out.transpose(1, 2).contiguous(), None
 
     @contextlib.contextmanager
     def _rounding_linear_inputs(self):
         functional = self.torch.nn.functional
         linear = functional.linear
-        if self.rounding == "bfloat16":
+        if self.rounding in ("bfloat16", "bfloat16-tiles"):
             bfloat16 = self.torch.bfloat16
             functional.linear = lambda x, *args: linear(x.to(bfloat16).float(), *args)
         try:

@@ -1,10 +1,11 @@
 """The CPU paged-attention kernels (vllm_mindspore/ops/csrc/paged_attention.cc), MHA/GQA and MLA,
 against numpy float64 causal attention, for each pair of activation and cache dtypes they take:
 float32 over a float32 cache, float16 over float16, float32 over bfloat16 (--dtype bfloat16 on
-CPU). Two calls share the cache: a step of two prefills (one across a block boundary), then a step
-of a third prefill beside two decodes that read the first step's keys and values back. The GQA
-kernel also runs with the rotary embedding applied inside it (neox halves over part of each head,
-interleaved pairs over all of it), fed the fused q|k|v rows unrotated."""
+CPU; on AMX CPUs also with prefill chunks on the tiles). The calls share the cache: a step of two
+prefills (one across a block boundary), a step of a third prefill beside two decodes that read the
+first step's keys and values back, one request's decode, and two chunks of prefills after cached
+context. The GQA kernel also runs with the rotary embedding applied inside it (neox halves over
+part of each head, interleaved pairs over all of it), fed the fused q|k|v rows unrotated."""
 
 import mindspore as ms
 import numpy as np
@@ -12,11 +13,13 @@ import pytest
 from mindspore import nn
 from vllm.config import VllmConfig, set_current_vllm_config
 
+from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention
 from vllm_mindspore.ops.host import to_host, zeros_parameter
 from vllm_mindspore.ops.mla import MLAAttention
 from vllm_mindspore.ops.quant_reference import to_dtype
 from vllm_mindspore.ops.rotary import RotaryEmbedding, rope_cos_sin
+from vllm_mindspore.platform import cpu_has_amx
 
 ms.set_context(mode=ms.GRAPH_MODE)
 pytestmark = pytest.mark.usefixtures("two_kernel_threads")  # the parallel splits too
@@ -131,34 +134,57 @@ class LatentStep(nn.Cell):
         return self.attn.kernel(query, latent, self.cache, *metadata, self.attn.scale_tensor)
 
 
-def reference(queries, keys, values, scale):
+def reference(queries, keys, values, scale, tile_rounding=False):
     """Causal attention of a request's last len(queries) tokens over all its keys/values:
-    [n, H, D], [S, KVH, D], [S, KVH, Dv] -> [n, H, Dv] (float64)."""
+    [n, H, D], [S, KVH, D], [S, KVH, Dv] -> [n, H, Dv] (float64). `tile_rounding`: as AMX
+    computes it, the scaled queries and the softmax numerators rounded to bfloat16 (each row's
+    sum is of the numerators before rounding)."""
     group = HEADS // keys.shape[1]
     keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
+    if tile_rounding:
+        queries = to_dtype(queries.astype(np.float32) * np.float32(scale), "bfloat16")
+        queries, scale = queries.astype(np.float64), 1.0
     first = len(keys) - len(queries)
     out = np.zeros(queries.shape[:2] + values.shape[2:])
     for i, q in enumerate(queries):
         visible = first + i + 1
         scores = np.einsum("hd,shd->hs", q, keys[:visible]) * scale
         p = np.exp(scores - scores.max(-1, keepdims=True))
-        out[i] = np.einsum("hs,shd->hd", p / p.sum(-1, keepdims=True), values[:visible])
+        numerators = to_dtype(p, "bfloat16").astype(np.float64) if tile_rounding else p
+        out[i] = np.einsum("hs,shd->hd", numerators / p.sum(-1, keepdims=True), values[:visible])
     return out
+
+
+@pytest.fixture
+def cache_kernel(request):
+    """The cache's dtype for request.param ("bfloat16-amx": AMX tiles for prefill chunks of at
+    least 16 query rows a KV head, where the CPU has them, and every row rounded as the tiles
+    round it; otherwise the vector loops), with that kernel chosen for the test."""
+    cache_dtype, _, unit = request.param.partition("-")
+    if kernels.use_amx(unit == "amx") != (unit == "amx"):
+        pytest.skip("the CPU reports AMX-BF16, but the kernels cannot use it (Linux refused the "
+                    "tile state, or the library was built without -mamx-bf16)")
+    yield cache_dtype, unit == "amx"
+    kernels.use_amx(True)
 
 
 @pytest.mark.parametrize("layer", [GroupedQueryStep, RotaryStep, RotaryInterleavedStep, LatentStep],
                          ids=["gqa", "gqa-rotary-neox", "gqa-rotary-interleaved", "mla"])
-@pytest.mark.parametrize("dtype, cache_dtype, tolerance", [
-    ("float32", "float32", 1e-5), ("float16", "float16", 2e-3), ("float32", "bfloat16", 1e-5)])
-def test_paged_attention_matches_numpy(layer, dtype, cache_dtype, tolerance):
+@pytest.mark.parametrize("dtype, cache_kernel, tolerance", [
+    ("float32", "float32", 1e-5), ("float16", "float16", 2e-3), ("float32", "bfloat16", 1e-5),
+    pytest.param("float32", "bfloat16-amx", 1e-5, marks=pytest.mark.skipif(
+        not cpu_has_amx(), reason="this CPU has no AMX-BF16"))], indirect=["cache_kernel"])
+def test_paged_attention_matches_numpy(layer, dtype, cache_kernel, tolerance):
     """Each step's output equals numpy attention over the keys/values as the cache stores them
-    (rounded to its dtype), with the queries as the activations hold them."""
+    (rounded to its dtype), with the queries as the activations hold them (on the tiles: rounded
+    as they enter them)."""
+    cache_dtype, amx = cache_kernel
     g = np.random.default_rng(0)
     step = layer(MS_DTYPES[cache_dtype])
     block_tables = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 0], [0, 0, 0]], np.int32)
     cached: dict[int, tuple] = {}  # request -> (keys, values) in the cache so far
-    # The last step is one request's decode: fewer requests than threads, its KV heads split.
-    for new_tokens in ({0: 21, 1: 3}, {0: 1, 1: 1, 2: 9}, {0: 1}):
+    # The third step is one request's decode: fewer requests than threads, its KV heads split.
+    for new_tokens in ({0: 21, 1: 3}, {0: 1, 1: 1, 2: 9}, {0: 1}, {1: 10, 2: 12}):
         requests = sorted(new_tokens)
         num_scheduled = np.array([new_tokens[r] for r in requests])
         num_computed = np.array([len(cached[r][0]) if r in cached else 0 for r in requests])
@@ -166,8 +192,11 @@ def test_paged_attention_matches_numpy(layer, dtype, cache_dtype, tolerance):
                                                                           num_scheduled)])
         total = int(num_scheduled.sum())
         queries, keys, values = (to_dtype(a, dtype) for a in layer.tokens(g, total))
+        # the step's requests' rows first, as the model runner orders them
+        step_tables = block_tables[requests + sorted(set(range(len(block_tables))) -
+                                                     set(requests))]
         metadata = AttentionMetadata.build(num_scheduled, num_computed, positions,
-                                           block_tables, BLOCK_SIZE, total)
+                                           step_tables, BLOCK_SIZE, total)
         out = step(*(ms.Tensor(a, MS_DTYPES[dtype]) for a in layer.inputs(queries, keys, values)),
                    ms.Tensor(positions.astype(np.int32)), *metadata.tensors())
         out = to_host(out).reshape(total, HEADS, -1)
@@ -180,7 +209,8 @@ def test_paged_attention_matches_numpy(layer, dtype, cache_dtype, tolerance):
             old_keys, old_values = cached.get(r, (keys[:0], values[:0]))
             cached[r] = (np.concatenate([old_keys, to_dtype(keys[new], cache_dtype)]),
                          np.concatenate([old_values, to_dtype(values[new], cache_dtype)]))
-            expected = reference(queries[new].astype(np.float64), *cached[r], layer.SCALE)
+            expected = reference(queries[new].astype(np.float64), *cached[r], layer.SCALE,
+                                 amx and layer is not LatentStep)
             np.testing.assert_allclose(out[new], expected, atol=tolerance, rtol=tolerance,
                                        err_msg=f"request {r}")
             start += n

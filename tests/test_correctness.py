@@ -4,6 +4,7 @@ safetensors, through vLLM's offline `LLM` API (real engine, real MindSpore graph
 import pytest
 from conftest import PROMPTS, TOKEN_BUDGET, HFReference, assert_matches_hf, slow
 
+from vllm_mindspore.ops import kernels
 from vllm_mindspore.platform import cpu_has_bfloat16_dot
 
 MAX_TOKENS = 12
@@ -137,8 +138,9 @@ WIDENED_WEIGHTS = {"VLLM_MS_CPU_BF16_WIDEN": "1", "VLLM_MS_CPU_AMX": "0"}
     # Against HF float32: float16 rounds every activation and weight.
     ("float16", "LlamaForCausalLM", {}, {}, "float32", (2e-2, 3e-2)),
     # bfloat16 checkpoints, against HF float32 on the same weights with the cached keys/values
-    # rounded to bfloat16 and, on vdpbf16ps or AMX, each linear's input too, as the plugin rounds
-    # them on CPU: a dense model matches that to float32 noise (measured <= 0.003)...
+    # rounded to bfloat16 and, on vdpbf16ps or AMX, each linear's input too (on AMX also a
+    # prefill's queries and softmax numerators in attention), as the plugin rounds them on CPU:
+    # a dense model matches that to float32 noise (measured <= 0.003)...
     pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), ROUNDED_INPUTS,
                  "bfloat16", (1e-2, 5e-3), marks=NEEDS_BFLOAT16_DOT),
     pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), WIDENED_WEIGHTS,
@@ -159,6 +161,8 @@ def test_reduced_precision_is_close_to_hf(make_llm, tiny_model_factory, monkeypa
     near_tie, logprob_tolerance = tolerance
     for name, value in cpu_env.items():
         monkeypatch.setenv(name, value)
+    if reference_rounding == "bfloat16" and cpu_env.get("VLLM_MS_CPU_AMX", "1") == "1":
+        reference_rounding = "bfloat16-tiles" if kernels.use_amx(True) else reference_rounding
     model_dir = tiny_model_factory(arch, **overrides)
     llm = make_llm(model_dir, dtype=dtype)
     outputs = llm.generate(PROMPTS + [LONG_PROMPT],

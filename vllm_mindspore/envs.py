@@ -75,8 +75,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "VLLM_MS_CPU_AMX": (
         _flag("VLLM_MS_CPU_AMX", "1"),
-        "CPU, --dtype bfloat16: 1 (default) runs the dense matmuls on AMX tiles where the CPU has "
-        "them (Intel Sapphire Rapids and later); 0 keeps the AVX512-BF16 kernels.",
+        "CPU, --dtype bfloat16: 1 (default) runs the dense matmuls and the prefill chunks' "
+        "attention on AMX tiles where the CPU has them (Intel Sapphire Rapids and later; "
+        "attention then rounds the scaled queries and the softmax numerators to bfloat16, on "
+        "every row); 0 keeps the AVX512-BF16 kernels.",
     ),
     "VLLM_MS_CPU_LAYER_KERNEL": (
         _flag("VLLM_MS_CPU_LAYER_KERNEL", "1"),

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common.h"
+#include "gemm.h"  // AMX: amx_wanted, amx_available, TileState
 
 namespace {
 
@@ -46,10 +47,10 @@ struct Shape {
   Rotary rotary = {};            // applied to the queries and keys (MHA only)
 };
 
-// A unit of work: one request's queries [q0, q1) for KV heads [kv0, kv1) and, of each KV head's
-// group of query heads, heads [h0, h1) (offsets in the group).
+// A unit of work: one request's queries [q0, q1) (of its q_len this step) for KV heads
+// [kv0, kv1) and, of each KV head's group of query heads, heads [h0, h1) (offsets in the group).
 struct Item {
-  int64_t row, kv0, kv1, h0, h1, q0, q1, first_token, context_start;
+  int64_t row, kv0, kv1, h0, h1, q0, q1, q_len, first_token, context_start;
 };
 
 // Token t's keys (rotated) and values into its cache slot.
@@ -231,6 +232,181 @@ inline float softmax_numerators(float *p, int64_t n, int64_t width) {
   return total;
 }
 
+// x[0:n] rounded to bfloat16 (as float32 values).
+inline void round_to_bfloat16(float *x, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    bf16 rounded[kLanes];
+    store_lanes(rounded, load_lanes(x + i));
+    store_lanes(x + i, load_lanes(rounded));
+  }
+  for (; i < n; ++i) {
+    bf16 rounded;
+    from_float(x[i], &rounded);
+    x[i] = to_float(rounded);
+  }
+}
+
+// A prefill chunk's attention on AMX tiles (bfloat16 cache): its query rows and the request's
+// keys and values as tiles of 16 rows x 32 bfloat16, scores and outputs accumulated in float32
+// tiles, one TDPBF16PS a 16 x 16 x 32 product. The register blocks above run ~20 GFLOP/s a core
+// on a prefill's rows; these its products at the tiles' rate, and a decode's few rows keep them.
+// The queries and the softmax numerators enter rounded to bfloat16 (as the keys and values in
+// the cache already are); each row's sum is of the numerators before rounding. The register
+// blocks round them too where the tiles are there (rounds_as_tiles), so that a token's result
+// does not depend on how the scheduler chunked its prompt or batched it.
+constexpr int64_t kTileRows = 16;   // rows of an A tile or a C tile; keys or channels of a C tile
+constexpr int64_t kTileDepth = 32;  // k of one tile product (16 pairs of bfloat16)
+
+// Tiles' reading of a prefill item: every operand is a multiple of a tile (D and Dv of 32 and 16)
+// and the block size of whole 16-key groups.
+inline bool tiles_fit(const Shape &s) {
+  return !s.latent && s.head_dim % kTileDepth == 0 && s.v_head_dim % kTileRows == 0 &&
+         s.block_size % kTileRows == 0;
+}
+
+// Whether prefill chunks of this attention take the tiles, and every row rounds as they do.
+template <typename C>
+bool rounds_as_tiles(const Shape &s) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return std::is_same_v<C, bf16> && tiles_fit(s) && amx_wanted && amx_available();
+#else
+  (void)s;
+  return false;
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// out[0:16, 16 t : 16 t + 16] = sum over steps s of a[0:16, 32 s : 32 s + 32] . b(t, s) for the
+// N <= 4 tiles t (C tiles 0..N-1, a in tile 4, b in 5-7): a's rows lda bfloat16 apart, b(t, s)
+// a tile of 16 pairs of k (rows 64 bytes apart), out's rows ldo floats apart.
+template <int N, typename B>
+void tile_row(const bf16 *a, int64_t lda, int64_t steps, const B &b, float *out, int64_t ldo) {
+  _tile_zero(0);
+  if constexpr (N > 1) _tile_zero(1);
+  if constexpr (N > 2) _tile_zero(2);
+  if constexpr (N > 3) _tile_zero(3);
+  for (int64_t step = 0; step < steps; ++step) {
+    _tile_loadd(4, a + step * kTileDepth, lda * sizeof(bf16));
+    _tile_loadd(5, b(0, step), 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (N > 1) {
+      _tile_loadd(6, b(1, step), 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(7, b(2, step), 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(5, b(3, step), 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, out, ldo * sizeof(float));
+  if constexpr (N > 1) _tile_stored(1, out + kTileRows, ldo * sizeof(float));
+  if constexpr (N > 2) _tile_stored(2, out + 2 * kTileRows, ldo * sizeof(float));
+  if constexpr (N > 3) _tile_stored(3, out + 3 * kTileRows, ldo * sizeof(float));
+}
+
+// tile_row over `tiles` C tiles, four at a time.
+template <typename B>
+void tile_rows(int64_t tiles, const bf16 *a, int64_t lda, int64_t steps, const B &b, float *out,
+               int64_t ldo) {
+  for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+    auto shifted = [&](int64_t t, int64_t step) { return b(t0 + t, step); };
+    float *o = out + t0 * kTileRows;
+    switch (std::min<int64_t>(4, tiles - t0)) {
+      case 1: tile_row<1>(a, lda, steps, shifted, o, ldo); break;
+      case 2: tile_row<2>(a, lda, steps, shifted, o, ldo); break;
+      case 3: tile_row<3>(a, lda, steps, shifted, o, ldo); break;
+      default: tile_row<4>(a, lda, steps, shifted, o, ldo); break;
+    }
+  }
+}
+
+// 16 bfloat16 of `first` and 16 of `second` interleaved: first[0], second[0], first[1], ...
+inline __m512i interleave16(const bf16 *first, const bf16 *second) {
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(first))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i *>(second)), 1);
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  return _mm512_permutexvar_epi16(order, both);
+}
+
+// One KV head g of a prefill item (rows: its query rows, q: their scaled, rotated float32 rows
+// [rows, D]) into acc [rows, Dv] and l [rows] (the softmax's sums), as attend's loops would.
+// keys: the request's keys the item's last query sees (its blocks' first `keys` slots).
+template <typename Keys, typename Values, typename Visible>
+void attend_on_tiles(const Shape &s, int64_t rows, int64_t keys, const float *q,
+                     const Keys &key_block, const Values &value_block, const Visible &visible,
+                     float *acc, float *l) {
+  const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
+  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t width = (keys + kTileDepth - 1) / kTileDepth * kTileDepth;
+  thread_local std::vector<bf16> q_tiles, k_tiles, v_tiles, p_tiles;
+  thread_local std::vector<float> scores, out_tiles;
+  // q [padded_rows, D]; keys as tiles of 16 keys [width / 16, D / 2, 16, 2]; values as tiles of
+  // 16 channels [Dv / 16, width / 2, 16, 2]; numerators [padded_rows, width]
+  q_tiles.resize(padded_rows * D);
+  k_tiles.resize(width * D);
+  v_tiles.resize(width * Dv);
+  scores.resize(padded_rows * width);
+  p_tiles.resize(padded_rows * width);
+  out_tiles.resize(padded_rows * Dv);
+  convert(q, q_tiles.data(), rows * D);
+  // the last tile's rows past the item's: zero queries, zero numerators
+  std::fill(q_tiles.begin() + rows * D, q_tiles.begin() + padded_rows * D, bf16{0});
+  std::fill(p_tiles.begin() + rows * width, p_tiles.begin() + padded_rows * width, bf16{0});
+  auto k_tile = [&](int64_t key) { return k_tiles.data() + key / kTileRows * kTileRows * D; };
+  auto v_tile = [&](int64_t channel) {
+    return v_tiles.data() + channel / kTileRows * width * kTileRows;
+  };
+  for (int64_t key = 0; key < keys; key += kTileRows) {  // 16 keys of one block at a time
+    const bf16 *kt = key_block(key / bs) + key % bs, *v = value_block(key / bs) + key % bs * Dv;
+    for (int64_t pair = 0; pair < D / 2; ++pair)
+      _mm512_storeu_si512(k_tile(key) + pair * 2 * kTileRows,
+                          interleave16(kt + 2 * pair * bs, kt + (2 * pair + 1) * bs));
+    for (int64_t k = 0; k < kTileRows; k += 2)
+      for (int64_t c = 0; c < Dv; c += kTileRows)
+        _mm512_storeu_si512(v_tile(c) + (key + k) * kTileRows,
+                            interleave16(v + k * Dv + c, v + (k + 1) * Dv + c));
+  }
+  // Slots past the last key hold other tokens' data or nothing: zero keys and values, so that
+  // their (zero) numerators multiply zeros.
+  for (int64_t key = keys; key < width; ++key) {
+    for (int64_t pair = 0; pair < D / 2; ++pair)
+      for (int64_t half = 0; half < 2; ++half)
+        k_tile(key)[(pair * kTileRows + key % kTileRows) * 2 + half] = bf16{0};
+    for (int64_t c = 0; c < Dv; ++c)
+      v_tile(c)[(key / 2 * kTileRows + c % kTileRows) * 2 + key % 2] = bf16{0};
+  }
+  for (int64_t r0 = 0; r0 < padded_rows; r0 += kTileRows) {
+    // The tile's last row sees the most keys.
+    const int64_t seen = visible(std::min(rows, r0 + kTileRows) - 1);
+    tile_rows((seen + kTileRows - 1) / kTileRows, q_tiles.data() + r0 * D, D, D / kTileDepth,
+              [&](int64_t t, int64_t step) {
+                return k_tiles.data() + (t * D / 2 + step * kTileRows) * 2 * kTileRows;
+              },
+              scores.data() + r0 * width, width);
+    for (int64_t r = r0; r < std::min(rows, r0 + kTileRows); ++r) {
+      float *p = scores.data() + r * width;
+      l[r] = softmax_numerators(p, visible(r), width);
+      convert(p, p_tiles.data() + r * width, width);
+    }
+    tile_rows(Dv / kTileRows, p_tiles.data() + r0 * width, width,
+              (seen + kTileDepth - 1) / kTileDepth,
+              [&](int64_t t, int64_t step) {
+                return v_tiles.data() + (t * width / 2 + step * kTileRows) * 2 * kTileRows;
+              },
+              out_tiles.data() + r0 * Dv, Dv);
+  }
+  std::memcpy(acc, out_tiles.data(), rows * Dv * sizeof(float));
+}
+#endif
+
 // One item in two passes over its blocks: every score first (p [rows, keys], keys the item's
 // blocks' slots), then an exact softmax per row, then the values. Each block is read once per
 // pass and the softmax runs over whole rows of vectors (a per-block online softmax spent more
@@ -261,6 +437,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   p_buf.resize(all_rows * width);
   float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
   auto head_of = [&](int64_t g, int64_t h) { return (item.kv0 + g) * group + item.h0 + h; };
+  const bool tile_rounding = rounds_as_tiles<C>(s);
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t i = item.q0; i < item.q1; ++i) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -268,6 +445,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
         convert(query + (item.first_token + i) * s.query_stride + head_of(g, h) * D, qr, D);
         s.rotary.apply(qr, qr, item.first_token + i);
         for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
+        if (tile_rounding) round_to_bfloat16(qr, D);
       }
     }
   }
@@ -277,6 +455,35 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   auto value_block = [&](int64_t j) {
     return value_cache + (block_table[j] * s.num_kv_heads + item.kv0) * bs * Dv;
   };
+  auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
+  auto write_out = [&] {
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t i = item.q0; i < item.q1; ++i) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t r = g * rows + (i - item.q0) * heads + h;
+          const float inv = 1.0f / l_buf[r];
+          T *o = out + ((item.first_token + i) * s.num_heads + head_of(g, h)) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
+        }
+      }
+    }
+  };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<C, bf16>) {
+    // A chunk of at least a tile's rows a KV head takes the tiles for all its queries.
+    if (tile_rounding && heads * item.q_len >= kTileRows) {
+      TileState tiles;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        attend_on_tiles(
+            s, rows, visible_max, q + g * rows * D,
+            [&](int64_t j) { return key_block(j) + g * D * bs; },
+            [&](int64_t j) { return value_block(j) + g * bs * Dv; }, visible,
+            acc + g * rows * Dv, l_buf.data() + g * rows);
+      }
+      return write_out();
+    }
+  }
+#endif
   const int64_t value_bytes = kv_heads * bs * Dv * sizeof(C);
   // The next item's key blocks, spread evenly over this item's values pass (visit j asks for
   // its share up to block `next_blocks * (j + 1) / num_blocks`).
@@ -300,7 +507,6 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   auto first_row = [&](int64_t j) {
     return (std::max(item.q0, j * bs - item.context_start) - item.q0) * heads;
   };
-  auto visible = [&](int64_t r) { return item.context_start + item.q0 + r / heads + 1; };
 
   visit_prefetched(num_blocks, kv_heads * D * bs * sizeof(C), key_block, [&](int64_t j) {
     // this block's values: asked for by the scores loops (Lookahead)
@@ -319,8 +525,10 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
       }
     }
   });
-  for (int64_t r = 0; r < all_rows; ++r)
+  for (int64_t r = 0; r < all_rows; ++r) {
     l_buf[r] = softmax_numerators(p + r * width, visible(r % rows), width);
+    if (tile_rounding) round_to_bfloat16(p + r * width, visible(r % rows));
+  }
   auto add_values = [&](int64_t j, int64_t g, const auto *v) {  // v: block j's values [bs, Dv]
     const float *pg = p + g * rows * width;
     float *ag = acc + g * rows * Dv;
@@ -347,16 +555,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
     }
   }
   lookahead().flush();
-  for (int64_t g = 0; g < kv_heads; ++g) {
-    for (int64_t i = item.q0; i < item.q1; ++i) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t r = g * rows + (i - item.q0) * heads + h;
-        const float inv = 1.0f / l_buf[r];
-        T *o = out + ((item.first_token + i) * s.num_heads + head_of(g, h)) * Dv;
-        for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
-      }
-    }
-  }
+  write_out();
 }
 
 // Query rows (query heads x tokens) one work item scores against each block it converts: enough
@@ -400,7 +599,8 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
         for (int64_t q0 = 0; q0 < q_len; q0 += queries_per_item)
           items.push_back({row, kv0, std::min(s.num_kv_heads, kv0 + kv_per_item), h0,
                            std::min(group, h0 + head_chunk), q0,
-                           std::min(q_len, q0 + queries_per_item), token, context_start});
+                           std::min(q_len, q0 + queries_per_item), q_len, token,
+                           context_start});
     token += q_len;
   }
   // Padding tokens after the last request: zero output.
