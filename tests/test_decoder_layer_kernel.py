@@ -1,13 +1,17 @@
 """The decoder layer as one CPU operator (vllm_mindspore/ops/decoder.py) against the same layer as
 its separate operators: the same kernels in the same order, so the same bits, over steps that
-mix prefills, a chunked prefill, decodes and padding. Its agreement with HF transformers is
-test_correctness.py's (the operator is the default)."""
+mix prefills, a chunked prefill, decodes and padding. With bfloat16 weights (--dtype bfloat16 on
+CPU) too: where AMX takes a step, the operator's norms and silu * up write their rows rounded to
+bfloat16 for the tiles, which the separate operators' matmuls round as they read them. Its
+agreement with HF transformers is test_correctness.py's (the operator is the default)."""
 
 import mindspore as ms
 import numpy as np
 import pytest
 
 from vllm_mindspore.ops.attention import AttentionMetadata
+from vllm_mindspore.ops.linear import packing_bfloat16
+from vllm_mindspore.platform import cpu_has_bfloat16_dot
 
 ms.set_context(mode=ms.GRAPH_MODE)
 
@@ -30,12 +34,13 @@ MODELS = {
 }
 ONE_OPERATOR_LAYERS = {"qwen3-moe": [False, True, False]}  # the others: every layer
 
-# Two steps of requests (tokens this step, tokens before it): A and B prefill (B in two chunks),
-# then A decodes beside B's second chunk and a new request C.
-STEPS = [[(7, 0), (12, 0)], [(1, 7), (8, 12), (5, 0)]]
+# Steps of requests (tokens this step, tokens before it): A and B prefill (B in chunks), then A
+# decodes beside B's second chunk and a new request C, then a step with no padding (its last
+# token in the last, partial block of rows of a matmul) where B and C go on.
+STEPS = [[(7, 0), (12, 0)], [(1, 7), (8, 12), (5, 0)], [(1, 8), (19, 20), (20, 5)]]
 
 
-def build(arch: str, model_dir: str, layer_kernel: bool, monkeypatch):
+def build(arch: str, model_dir: str, layer_kernel: bool, bfloat16: bool, monkeypatch):
     from transformers import AutoConfig
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -50,9 +55,10 @@ def build(arch: str, model_dir: str, layer_kernel: bool, monkeypatch):
     monkeypatch.setenv("VLLM_MS_CPU_LAYER_KERNEL", "1" if layer_kernel else "0")
     with set_current_vllm_config(VllmConfig()):  # vLLM's rope tables read it
         model = classes[arch](AutoConfig.from_pretrained(model_dir), BLOCK_SIZE, ms.float32)
-    load_checkpoint(model, model_dir, model.checkpoint_name_to_param)
-    process_weights_after_loading(model)
-    model.allocate_kv_cache(NUM_BLOCKS, ms.float32)
+    with packing_bfloat16(bfloat16):
+        load_checkpoint(model, model_dir, model.checkpoint_name_to_param)
+        process_weights_after_loading(model)
+    model.allocate_kv_cache(NUM_BLOCKS, ms.bfloat16 if bfloat16 else ms.float32)
     return model
 
 
@@ -76,17 +82,21 @@ def run_steps(model, vocab_size: int) -> tuple[list[np.ndarray], list[np.ndarray
         padded_positions[:len(positions)] = positions
         hidden = model(ms.Tensor(ids), ms.Tensor(padded_positions), *metadata.tensors())
         outputs.append(hidden.asnumpy())
-    caches = [cache.asnumpy() for layer in model.attention_layers().values()
+    caches = [cache.astype(ms.float32).asnumpy()
+              for layer in model.attention_layers().values()
               for cache in (layer.key_cache, layer.value_cache)]
     return outputs, caches
 
 
+@pytest.mark.parametrize("weights", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not cpu_has_bfloat16_dot(), reason="this CPU has no AVX512-BF16"))])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch, name):
+def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch, name, weights):
     arch, overrides = MODELS[name]
     model_dir = tiny_model_factory(arch, **overrides)
-    one_operator = build(arch, model_dir, True, monkeypatch)
-    separate = build(arch, model_dir, False, monkeypatch)
+    bfloat16 = weights == "bfloat16"
+    one_operator = build(arch, model_dir, True, bfloat16, monkeypatch)
+    separate = build(arch, model_dir, False, bfloat16, monkeypatch)
     expected = ONE_OPERATOR_LAYERS.get(name, [True] * one_operator.config.num_hidden_layers)
     assert [layer.layer_kernel is not None for layer in one_operator.model.layers] == expected
     assert all(layer.layer_kernel is None for layer in separate.model.layers)

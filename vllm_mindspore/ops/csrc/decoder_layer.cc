@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "gemm.h"  // amx_takes
+
 extern "C" {
 int RmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
 int AddRmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
@@ -100,17 +102,26 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   // The intermediates, reused from call to call (a buffer only grows).
   thread_local std::vector<char> normed_buffer, qkv_buffer, qk_buffer, attn_buffer, o_buffer,
       gated_buffer;
-  auto scratch = [&](std::vector<char> &buffer, std::vector<int64_t> shape) {
+  auto scratch = [&](std::vector<char> &buffer, std::vector<int64_t> shape,
+                     const char *dtype) {
+    const size_t bytes = std::strcmp(dtype, "float32") == 0 ? 4 : 2;
     buffer.resize(static_cast<size_t>(elements(static_cast<int>(shape.size()), shape.data())) *
-                  width);
-    return Arg{buffer.data(), std::move(shape), act};
+                  bytes);
+    return Arg{buffer.data(), std::move(shape), dtype};
   };
-  const Arg normed = scratch(normed_buffer, {T, E});
-  const Arg qkv = scratch(qkv_buffer, {T, N});
-  const Arg attn = scratch(attn_buffer, {T, heads, Dv});
-  const Arg o = scratch(o_buffer, {T, E});
-  const Arg gated = scratch(gated_buffer, {T, I});
-  const Arg qk = present(kQkNorm) ? scratch(qk_buffer, {T, heads + kv_heads, D}) : qkv;
+  // Where AMX takes the step's matmuls (bfloat16 weights, float32 activations), which round
+  // their rows of x to bfloat16: the norms and silu(gate) * up write their rows so rounded (the
+  // same values, a pass over them and half their bytes fewer).
+  const bool rounded_rows = std::strcmp(act, "float32") == 0 &&
+                            std::strcmp(dtypes[kQkv], "bfloat16") == 0 &&
+                            vllm_ms::amx_takes(T);
+  const char *matmul_rows = rounded_rows ? "bfloat16" : act;
+  const Arg normed = scratch(normed_buffer, {T, E}, matmul_rows);
+  const Arg qkv = scratch(qkv_buffer, {T, N}, act);
+  const Arg attn = scratch(attn_buffer, {T, heads, Dv}, act);
+  const Arg o = scratch(o_buffer, {T, E}, act);
+  const Arg gated = scratch(gated_buffer, {T, I}, matmul_rows);
+  const Arg qk = present(kQkNorm) ? scratch(qk_buffer, {T, heads + kv_heads, D}, act) : qkv;
 
   // Each step as its own operator would run it; the first kernel that refuses its inputs
   // (status != 0) stops the layer, and MindSpore raises.

@@ -311,18 +311,28 @@ const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t
   }
 }
 
+// What a block of y is computed in: y's own type, or float32 for bfloat16 rows of y (rounded as
+// they are written, for the next matmul's tiles).
+template <typename Y>
+using Accumulator = std::conditional_t<std::is_same_v<Y, bf16>, float, Y>;
+
 // Rows [0, rows) of one panel of y (`out`, row stride ldy): copied from the block `c` they were
-// computed in when that is not y itself (a panel narrower than 32, rows past M), plus the bias
-// (float y; the int8 matmul's exact int32 y has none).
+// computed in when that is not y itself (a panel narrower than 32, rows past M, bfloat16 y),
+// plus the bias (float y; the int8 matmul's exact int32 y has none).
 template <typename Y, typename B>
-void finish_rows(const Y *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy, int64_t columns,
-                 const B *bias) {
+void finish_rows(const Accumulator<Y> *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy,
+                 int64_t columns, const B *bias) {
   for (int64_t r = 0; r < rows; ++r) {
     Y *row = out + r * ldy;
-    if (c != out) std::memcpy(row, c + r * ldc, columns * sizeof(Y));
-    if constexpr (std::is_same_v<Y, float>) {
-      if (bias != nullptr)
-        for (int64_t j = 0; j < columns; ++j) row[j] += to_float(bias[j]);
+    if constexpr (std::is_same_v<Y, bf16>) {
+      convert(c + r * ldc, row, columns);  // no bias: a gate|up projection's
+    } else {
+      if (static_cast<const void *>(c) != out)
+        std::memcpy(row, c + r * ldc, columns * sizeof(Y));
+      if constexpr (std::is_same_v<Y, float>) {
+        if (bias != nullptr)
+          for (int64_t j = 0; j < columns; ++j) row[j] += to_float(bias[j]);
+      }
     }
   }
 }
@@ -410,7 +420,8 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
     const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
     const int64_t next_p = next >= 0 ? chunk_and_panel(next).second : -1;
     const int64_t next_panel = next_p != p ? next_p : -1;
-    alignas(64) Y tile[32 * kPanel];
+    using Acc = Accumulator<Y>;
+    alignas(64) Acc tile[32 * kPanel];
     const int64_t begin = chunk * chunk_rows, end = std::min(padded_rows, begin + chunk_rows);
     const int64_t blocks = (end - begin + block_rows - 1) / block_rows;
     for (int64_t i = begin; i < end; i += block_rows) {
@@ -425,8 +436,8 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
       }
       const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
       Y *out = y + i * ldy + p * kPanel;
-      const bool direct = columns == kPanel && rows == block;
-      Y *c = direct ? out : tile;
+      const bool direct = std::is_same_v<Acc, Y> && columns == kPanel && rows == block;
+      Acc *c = direct ? reinterpret_cast<Acc *>(out) : tile;
       const int64_t ldc = direct ? ldy : kPanel;
       compute(i, block, rows, p, c, ldc);
       finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
@@ -437,9 +448,9 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
 
 // for_each_block over W's panels, or (`gated`: W a gate|up projection, N = 2I, I a multiple of
 // 32) over y [M, I] = silu(gate) * up.
-template <typename ThreadState = NoThreadState, typename B, typename Compute>
+template <typename ThreadState = NoThreadState, typename B, typename Y, typename Compute>
 void for_each_output_block(bool gated, int64_t M, int64_t padded_rows, int64_t chunk_target,
-                           int64_t block_rows, int64_t N, const B *bias, float *y, int64_t ldy,
+                           int64_t block_rows, int64_t N, const B *bias, Y *y, int64_t ldy,
                            bool parallel, Panels weights, const Compute &compute) {
   if (gated) {
     weights.paired = N / 2 / kPanel;
@@ -517,15 +528,15 @@ struct TileState {
   ~TileState() { _tile_release(); }
 };
 
-// matmul (below) with bfloat16 panels on AMX: blocks of 32 (the last 16) rows x one panel, the
-// k past the last whole tile step (K not a multiple of 32) by the vdpbf16ps blocks.
-template <typename B>
-void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const B *bias,
-                int64_t N, float *y, int64_t ldy, bool parallel, bool gated) {
-  const int64_t steps = (K + 1) / 2, tiled = steps / kTilePairs * kTilePairs;
+// matmul (below) with bfloat16 panels on AMX over x's rows as bfloat16 pairs of k (a [M, steps],
+// of which the first a_rows rows are there: the tiles of a last block past them read a copy,
+// zero-padded): blocks of 32 (the last 16) rows x one panel, the k past the last whole tile step
+// (K not a multiple of 32) by the vdpbf16ps blocks.
+template <typename B, typename Y>
+void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, const bf16 *packed,
+                const B *bias, int64_t N, Y *y, int64_t ldy, bool parallel, bool gated) {
+  const int64_t tiled = steps / kTilePairs * kTilePairs;
   const int64_t padded_rows = (M + 15) / 16 * 16;
-  thread_local std::vector<uint32_t> step_buffer;
-  const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
   const Panels panels{packed, steps * 2 * kPanel * static_cast<int64_t>(sizeof(bf16))};
   for_each_output_block<TileState>(gated, M, padded_rows, kAmxRowChunk, 32, N, bias, y, ldy,
                                    parallel, panels,
@@ -534,10 +545,17 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
     lookahead().flush();  // amx_block asks ahead within its own panel only: the share at once
     const bf16 *panel = panels.panel<bf16>(p);
     if (tiled > 0) {
+      const uint32_t *rows_of_a = a + i * steps;
+      if (i + block > a_rows) {
+        thread_local std::vector<uint32_t> last_block;
+        last_block.assign(block * steps, 0u);
+        std::copy(rows_of_a, rows_of_a + rows * steps, last_block.begin());
+        rows_of_a = last_block.data();
+      }
       if (block == 32)
-        amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc);
+        amx_block<2>(rows_of_a, steps, panel, tiled, c, ldc);
       else
-        amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc);
+        amx_block<1>(rows_of_a, steps, panel, tiled, c, ldc);
     }
     for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
       block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
@@ -547,20 +565,27 @@ void matmul_amx(const float *x, int64_t M, int64_t K, const bf16 *packed, const 
 }
 #endif
 
-// y [M, N] float32 (row stride ldy) = x [M, K] float32 . packed W (+ bias), in blocks of kRows
-// rows (widened bfloat16: kSmallRows; a decode step's M <= kSmallRows rows in one block) and
-// chunks of about kRowChunk rows (whole blocks of either);
+// Whether a bfloat16 matmul of M rows runs on AMX tiles, which take x's rows as bfloat16.
+inline bool amx_takes(int64_t M) { return M > kAmxMinRows && amx_wanted && amx_available(); }
+
+// y [M, N] float32 or bfloat16 (row stride ldy) = x [M, K] float32 . packed W (+ bias), in blocks
+// of kRows rows (widened bfloat16: kSmallRows; a decode step's M <= kSmallRows rows in one block)
+// and chunks of about kRowChunk rows (whole blocks of either);
 // `gated` (N = 2I, I a multiple of 32): y [M, I] = silu(gate) * up of the gate|up projection W.
 constexpr int64_t kRowChunk = 16 * kRows;
 
-template <typename W, typename B>
+template <typename W, typename B, typename Y>
 void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias, int64_t N,
-            float *y, int64_t ldy, bool parallel = true, bool gated = false) {
+            Y *y, int64_t ldy, bool parallel = true, bool gated = false) {
   if (M == 0) return;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<W, bf16>) {
-    if (M > kAmxMinRows && amx_wanted && amx_available())
-      return matmul_amx(x, M, K, packed, bias, N, y, ldy, parallel, gated);
+    if (amx_takes(M)) {
+      const int64_t steps = (K + 1) / 2, padded_rows = (M + 15) / 16 * 16;
+      thread_local std::vector<uint32_t> step_buffer;
+      const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
+      return matmul_amx(a, padded_rows, M, steps, packed, bias, N, y, ldy, parallel, gated);
+    }
   }
 #endif
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
@@ -589,6 +614,22 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   }
   thread_local std::vector<uint32_t> step_buffer;
   run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1, kRows);
+}
+
+// The same with x's rows already rounded to bfloat16 (the decoder layer's intermediates where
+// AMX takes the step): the tiles read them as they are (K even), other kernels as float32.
+template <typename B, typename Y>
+void matmul(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, const B *bias, int64_t N,
+            Y *y, int64_t ldy, bool parallel = true, bool gated = false) {
+  if (M == 0) return;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_takes(M) && K % 2 == 0) {
+    return matmul_amx(reinterpret_cast<const uint32_t *>(x), M, M, K / 2, packed, bias, N, y,
+                      ldy, parallel, gated);
+  }
+#endif
+  thread_local std::vector<float> widened;
+  matmul(as_float(x, M * K, widened), M, K, packed, bias, N, y, ldy, parallel, gated);
 }
 
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], a vector at

@@ -2,7 +2,8 @@
 // operators: y = x @ W (+ bias), optionally followed by silu(gate) * up for a fused gate|up
 // projection.
 // The weights are packed in panels (gemm.h): float32/float16 like x, or bfloat16 (in pairs of k,
-// x float32).
+// x float32, or bfloat16 rows from the decoder layer where AMX takes them; y float32, or
+// bfloat16 for the next matmul).
 
 #include <cstdint>
 #include <cstring>
@@ -25,45 +26,57 @@ bool packed_shape_fits(int ndims, const int64_t *packed, int64_t K, int64_t N) {
   return packed[0] * kPanel >= N;
 }
 
-template <typename T, typename W>
+// x (X) [M, K] . packed W -> y (Y); the bias is in y's dtype, float32 for bfloat16 y.
+template <typename X, typename W, typename Y>
 int run(void **params, int *ndims, int64_t **shapes, bool has_bias, bool gated) {
-  const T *x = static_cast<const T *>(params[0]);
+  using Bias = Accumulator<Y>;
+  const X *x = static_cast<const X *>(params[0]);
   const W *packed = static_cast<const W *>(params[1]);
-  const T *bias = has_bias ? static_cast<const T *>(params[2]) : nullptr;
-  T *out = static_cast<T *>(params[has_bias ? 3 : 2]);
+  const Bias *bias = has_bias ? static_cast<const Bias *>(params[2]) : nullptr;
+  Y *out = static_cast<Y *>(params[has_bias ? 3 : 2]);
   const int64_t M = shapes[0][0], K = shapes[0][1];
   const int64_t N = shapes[has_bias ? 3 : 2][1] * (gated ? 2 : 1);
   if (!packed_shape_fits<W>(ndims[1], shapes[1], K, N)) return 1;
   thread_local std::vector<float> x_buffer, y_buffer;
-  const float *xf = as_float(x, M * K, x_buffer);
+  auto rows_of_x = [&] {  // as the matmul takes them: float32, or bfloat16 over bfloat16 W
+    if constexpr (std::is_same_v<X, bf16>) return x;
+    else return as_float(x, M * K, x_buffer);
+  };
   // silu(gate) * up in the matmul's blocks where the gate/up boundary is a panel boundary
   const bool fused = gated && (N / 2) % kPanel == 0;
   const int64_t columns = fused ? N / 2 : N;
-  float *y;
-  if (std::is_same_v<T, float> && (fused || !gated)) {
-    y = reinterpret_cast<float *>(out);
-  } else {
-    y_buffer.resize(M * columns);
-    y = y_buffer.data();
+  if constexpr (!std::is_same_v<Y, half>) {
+    if (fused || !gated) {  // the matmul writes y itself
+      matmul(rows_of_x(), M, K, packed, bias, N, out, columns, true, fused);
+      return 0;
+    }
   }
-  matmul(xf, M, K, packed, bias, N, y, columns, true, fused);
+  y_buffer.resize(M * columns);
+  matmul(rows_of_x(), M, K, packed, bias, N, y_buffer.data(), columns, true, fused);
   if (gated && !fused) {
-    silu_and_mul(y, M, N / 2, out);
-  } else if constexpr (!std::is_same_v<T, float>) {
-    convert(y, out, M * columns);
+    silu_and_mul(y_buffer.data(), M, N / 2, out);
+  } else {
+    convert(y_buffer.data(), out, M * columns);
   }
   return 0;
 }
 
 int dispatch(const char **dtypes, void **params, int *ndims, int64_t **shapes, bool has_bias,
              bool gated) {
-  if (std::strcmp(dtypes[1], "bfloat16") == 0) {
-    if (!kHasBf16Dot || std::strcmp(dtypes[0], "float32") != 0) return 1;
-    return run<float, bf16>(params, ndims, shapes, has_bias, gated);
+  auto is = [](const char *dtype, const char *name) { return std::strcmp(dtype, name) == 0; };
+  const char *x = dtypes[0], *y = dtypes[has_bias ? 3 : 2];
+  if (is(dtypes[1], "bfloat16")) {
+    if (!kHasBf16Dot) return 1;
+    if (is(x, "float32") && is(y, "float32"))
+      return run<float, bf16, float>(params, ndims, shapes, has_bias, gated);
+    if (is(x, "bfloat16") && is(y, "float32"))
+      return run<bf16, bf16, float>(params, ndims, shapes, has_bias, gated);
+    if (is(x, "bfloat16") && is(y, "bfloat16") && !has_bias)
+      return run<bf16, bf16, bf16>(params, ndims, shapes, has_bias, gated);
+    return 1;
   }
-  if (std::strcmp(dtypes[0], "float16") == 0)
-    return run<half, half>(params, ndims, shapes, has_bias, gated);
-  return run<float, float>(params, ndims, shapes, has_bias, gated);
+  if (is(x, "float16")) return run<half, half, half>(params, ndims, shapes, has_bias, gated);
+  return run<float, float, float>(params, ndims, shapes, has_bias, gated);
 }
 
 }  // namespace
@@ -83,7 +96,7 @@ int WidenBf16(int setting) {
   return vllm_ms::widen_bf16();
 }
 
-// x [M, K], packed [P, K, 32] or [P, ceil(K / 2), 32, 2] -> y [M, N]
+// x [M, K], packed [P, K, 32] or [P, ceil(K / 2), 32, 2] -> y [M, N] (dtypes: see run)
 int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
            void *, void *) {
   return nparam == 3 ? dispatch(dtypes, params, ndims, shapes, false, false) : 1;

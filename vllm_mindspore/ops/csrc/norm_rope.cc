@@ -16,11 +16,12 @@ using namespace vllm_ms;
 // y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight[r % weight_rows], in float32, for rows of
 // `size` values; rows_per_token rows of y per token, read from the start of the token's row of
 // x (token stride `x_stride`). With a residual: x + residual is normalised and also returned.
+// y is in x's dtype, or bfloat16 under float32 x (rows for the next matmul's AMX tiles).
 // A vector at a time: the scalar sum of squares was a chain of dependent adds the compiler may
 // not reorder (3% of a prefill step, 8 x 128 tokens).
-template <typename T>
+template <typename T, typename Y>
 void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,
-              int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, T *y, T *sum) {
+              int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, Y *y, T *sum) {
   parallel_for(rows, [&](int64_t r) {
     thread_local std::vector<float> buffer;
     const T *xr = x + (r / rows_per_token) * x_stride + (r % rows_per_token) * size;
@@ -47,7 +48,7 @@ void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, 
     for (; i < size; ++i) total += v[i] * v[i];
     const float scale = 1.0f / std::sqrt(total / static_cast<float>(size) + eps);
     const T *w = weight + (r % weight_rows) * size;
-    T *out = y + r * size;
+    Y *out = y + r * size;
     for (i = 0; i + kLanes <= size; i += kLanes)
       store_lanes(out + i, load_lanes(v + i) * scale * load_lanes(w + i));
     for (; i < size; ++i) from_float(v[i] * scale * to_float(w[i]), out + i);
@@ -72,6 +73,7 @@ void rotary(const T *x, int64_t x_stride, const Rotary &rot, int64_t tokens, int
 
 bool is_half(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
 
+
 // The output's shape says what is read: its first dimension is the tokens, its last the
 // normalised (rotated) size, and each token's values are taken from the start of its row of
 // the input, which may be wider (q and k heads at the front of a fused q|k|v row).
@@ -86,7 +88,7 @@ Rows rows_of(int64_t **shapes, const int *ndims, int x, int y) {
   return {shapes[y][0], per_token, shapes[y][ndims[y] - 1], x_stride};
 }
 
-template <typename T>
+template <typename T, typename Y = T>
 int norm(void **params, int64_t **shapes, int *ndims, bool with_residual) {
   const int w = with_residual ? 2 : 1;
   const Rows rows = rows_of(shapes, ndims, 0, w + 2);
@@ -96,8 +98,18 @@ int norm(void **params, int64_t **shapes, int *ndims, bool with_residual) {
            with_residual ? static_cast<const T *>(params[1]) : nullptr,
            static_cast<const T *>(params[w]), rows.tokens * rows.per_token, rows.per_token,
            rows.size, weight_rows, *static_cast<const float *>(params[w + 1]),
-           static_cast<T *>(params[w + 2]), with_residual ? static_cast<T *>(params[w + 3]) : nullptr);
+           static_cast<Y *>(params[w + 2]),
+           with_residual ? static_cast<T *>(params[w + 3]) : nullptr);
   return 0;
+}
+
+// A norm's kernel for x's and y's dtypes: both float32, both float16, or float32 x and bfloat16
+// y (params[y]).
+int norm_of(void **params, int64_t **shapes, int *ndims, const char **dtypes, bool residual) {
+  const char *y = dtypes[residual ? 4 : 3];
+  if (is_half(dtypes[0])) return norm<half>(params, shapes, ndims, residual);
+  if (std::strcmp(y, "bfloat16") == 0) return norm<float, bf16>(params, shapes, ndims, residual);
+  return norm<float>(params, shapes, ndims, residual);
 }
 
 template <typename T>
@@ -118,17 +130,13 @@ extern "C" {
 // x [T, ...], weight [H] (or [heads, H]), eps [1] float32 -> y [T, ..., H] (see Rows)
 int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
             void *) {
-  if (nparam != 4) return 1;
-  return is_half(dtypes[0]) ? norm<half>(params, shapes, ndims, false)
-                            : norm<float>(params, shapes, ndims, false);
+  return nparam == 4 ? norm_of(params, shapes, ndims, dtypes, false) : 1;
 }
 
 // x [T, H], residual [T, H], weight [H], eps [1] float32 -> (y = norm(x + residual), x + residual)
 int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                void *, void *) {
-  if (nparam != 6) return 1;
-  return is_half(dtypes[0]) ? norm<half>(params, shapes, ndims, true)
-                            : norm<float>(params, shapes, ndims, true);
+  return nparam == 6 ? norm_of(params, shapes, ndims, dtypes, true) : 1;
 }
 
 // x [T, ...], positions [T] int32, cos_sin [max_position, rotary] float32 -> y [T, heads, D]
