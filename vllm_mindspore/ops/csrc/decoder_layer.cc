@@ -110,15 +110,15 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
     return Arg{buffer.data(), std::move(shape), dtype};
   };
   // Where AMX takes the step's matmuls (bfloat16 weights, float32 activations), which round
-  // their rows of x to bfloat16: the norms and silu(gate) * up write their rows so rounded (the
-  // same values, a pass over them and half their bytes fewer).
+  // their rows of x to bfloat16: the norms, attention and silu(gate) * up write their rows so
+  // rounded (the same values, a pass over them and half their bytes fewer).
   const bool rounded_rows = std::strcmp(act, "float32") == 0 &&
                             std::strcmp(dtypes[kQkv], "bfloat16") == 0 &&
                             vllm_ms::amx_takes(T);
   const char *matmul_rows = rounded_rows ? "bfloat16" : act;
   const Arg normed = scratch(normed_buffer, {T, E}, matmul_rows);
   const Arg qkv = scratch(qkv_buffer, {T, N}, act);
-  const Arg attn = scratch(attn_buffer, {T, heads, Dv}, act);
+  const Arg attn = scratch(attn_buffer, {T, heads, Dv}, matmul_rows);
   const Arg o = scratch(o_buffer, {T, E}, act);
   const Arg gated = scratch(gated_buffer, {T, I}, matmul_rows);
   const Arg qk = present(kQkNorm) ? scratch(qk_buffer, {T, heads + kv_heads, D}, act) : qkv;
@@ -143,7 +143,7 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
                    {qk, qkv, input(kKeyCache), input(kValueCache), input(kSlotMapping),
                     input(kBlockTables), input(kSeqLens), input(kQLens), input(kScale),
                     input(kPositions), input(kCosSin), attn}});
-  steps.push_back({Linear, {Arg{attn.data, {T, heads * Dv}, act}, input(kOProj), o}});
+  steps.push_back({Linear, {Arg{attn.data, {T, heads * Dv}, matmul_rows}, input(kOProj), o}});
   // In place on the residual stream: the norm reads a row whole before it writes it.
   steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), normed,
                                 residual_out}});

@@ -418,9 +418,9 @@ void attend_on_tiles(const Shape &s, int64_t rows, int64_t keys, const float *q,
 // a line or two per step of their loops (Lookahead): a decode item computes for less time than
 // its blocks take to arrive from memory, and asking only at a pass's start left them in flight
 // (decode of 64 requests, standalone: 20-25% less time on one thread and on two).
-template <typename T, typename C>
+template <typename T, typename C, typename O>
 void attend(const Shape &s, const Item &item, const T *query, const C *key_cache,
-            const C *value_cache, const int32_t *block_table, T *out, const Item *next,
+            const C *value_cache, const int32_t *block_table, O *out, const Item *next,
             const int32_t *next_block_table) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads, kv_heads = item.kv1 - item.kv0;
@@ -462,7 +462,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t r = g * rows + (i - item.q0) * heads + h;
           const float inv = 1.0f / l_buf[r];
-          T *o = out + ((item.first_token + i) * s.num_heads + head_of(g, h)) * Dv;
+          O *o = out + ((item.first_token + i) * s.num_heads + head_of(g, h)) * Dv;
           for (int64_t d = 0; d < Dv; ++d) from_float(acc[r * Dv + d] * inv, o + d);
         }
       }
@@ -562,10 +562,12 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
 // to amortise the block's conversion, few enough that a decode batch spreads over the threads.
 constexpr int64_t kRowsPerItem = 64;
 
-template <typename T, typename C>
+// out: in the activations' dtype T, or bfloat16 under float32 activations (the decoder layer's
+// rows for the output projection's AMX tiles).
+template <typename T, typename C, typename O>
 int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cache,
         C *value_cache, const int32_t *slot_mapping, const int32_t *block_tables,
-        const int32_t *seq_lens, const int32_t *q_lens, T *out) {
+        const int32_t *seq_lens, const int32_t *q_lens, O *out) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   // Heads of one KV head share each converted block; MLA's many heads are split in chunks so
   // one request's decode still spreads over the threads.
@@ -605,7 +607,7 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
   }
   // Padding tokens after the last request: zero output.
   std::memset(static_cast<void *>(out + token * s.num_heads * s.v_head_dim), 0,
-              (s.num_tokens - token) * s.num_heads * s.v_head_dim * sizeof(T));
+              (s.num_tokens - token) * s.num_heads * s.v_head_dim * sizeof(O));
   const int64_t num_items = static_cast<int64_t>(items.size());
   // The cache writes are split over the threads too: a decode step's writes are a cache miss
   // each (the keys are transposed in a block, each slot's lines were evicted since the last
@@ -664,9 +666,15 @@ int paged_attention(int nparam, void **params, int *ndims, int64_t **shapes, con
     // The values are the last KVH * Dv channels of each row of v (a fused q|k|v row, or v alone).
     T *v = static_cast<T *>(params[1]) + s.value_stride - s.num_kv_heads * s.v_head_dim;
     auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
-    return run(s, qk, qk + s.num_heads * s.head_dim, v, static_cast<C *>(params[2]),
-               static_cast<C *>(params[3]), i32(4), i32(5), i32(6), i32(7),
-               static_cast<T *>(params[out]));
+    auto attend_into = [&](auto *o) {
+      return run(s, qk, qk + s.num_heads * s.head_dim, v, static_cast<C *>(params[2]),
+                 static_cast<C *>(params[3]), i32(4), i32(5), i32(6), i32(7), o);
+    };
+    if constexpr (std::is_same_v<T, float>) {
+      if (std::strcmp(dtypes[out], "bfloat16") == 0)
+        return attend_into(static_cast<bf16 *>(params[out]));
+    }
+    return attend_into(static_cast<T *>(params[out]));
   });
 }
 
