@@ -138,9 +138,9 @@ WIDENED_WEIGHTS = {"VLLM_MS_CPU_BF16_WIDEN": "1", "VLLM_MS_CPU_AMX": "0"}
     # Against HF float32: float16 rounds every activation and weight.
     ("float16", "LlamaForCausalLM", {}, {}, "float32", (2e-2, 3e-2)),
     # bfloat16 checkpoints, against HF float32 on the same weights with the cached keys/values
-    # rounded to bfloat16 and, on vdpbf16ps or AMX, each linear's input too (on AMX also a
-    # prefill's queries and softmax numerators in attention), as the plugin rounds them on CPU:
-    # a dense model matches that to float32 noise (measured <= 0.003)...
+    # rounded to bfloat16 and, on vdpbf16ps or AMX, each linear's input too (on AMX also
+    # attention's scaled queries and softmax numerators), as the plugin rounds them on CPU: a
+    # dense model matches that to float32 noise (measured <= 0.003)...
     pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), ROUNDED_INPUTS,
                  "bfloat16", (1e-2, 5e-3), marks=NEEDS_BFLOAT16_DOT),
     pytest.param("bfloat16", "LlamaForCausalLM", dict(save_dtype="bfloat16"), WIDENED_WEIGHTS,
