@@ -432,7 +432,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   const int64_t num_blocks = (visible_max + bs - 1) / bs, width = num_blocks * bs;
   thread_local std::vector<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;  // k/v: MLA only
   q_buf.resize(all_rows * D);
-  acc_buf.assign(all_rows * Dv, 0.0f);
+  acc_buf.resize(all_rows * Dv);
   l_buf.resize(all_rows);
   p_buf.resize(all_rows * width);
   float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
@@ -484,6 +484,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
     }
   }
 #endif
+  std::fill(acc, acc + all_rows * Dv, 0.0f);  // the values passes add into it (the tiles write it)
   const int64_t value_bytes = kv_heads * bs * Dv * sizeof(C);
   // The next item's key blocks, spread evenly over this item's values pass (visit j asks for
   // its share up to block `next_blocks * (j + 1) / num_blocks`).
