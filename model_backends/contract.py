@@ -75,6 +75,9 @@ class ModelBackend(Protocol):
     name: str  # the backend, "Native" | "MindFormers"
     implementation: str  # dotted path of the model class that runs (logged, asserted by tests)
     hidden_size: int  # width of `forward`'s output rows (the whole model's, not a TP shard)
+    # After `load_weights`: the decoder computes nothing for a call's padding tokens, so a static
+    # step may run as one call padded to the next size rather than as several exact ones.
+    skips_padding: bool
 
     @classmethod
     def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,

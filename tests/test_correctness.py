@@ -73,6 +73,21 @@ def test_greedy_matches_hf(make_llm, tiny_model_factory, name):
     assert len(outputs[-1].prompt_token_ids) >= LONG_PROMPT_MIN_TOKENS
 
 
+def test_split_steps_of_separate_operators_match_hf(make_llm, tiny_model_factory, monkeypatch):
+    """Layers of separate operators (what MoE, MLA and quantized layers run; here a Llama with
+    VLLM_MS_CPU_LAYER_KERNEL=0) compute the padding rows too, so a step whose padding would be
+    large runs as several graph calls, each writing its keys and values before the next reads
+    them. The one-operator layers above skip the padding and take every step in one call."""
+    from vllm_mindspore.worker.model_runner import GraphSizes
+
+    monkeypatch.setenv("VLLM_MS_CPU_LAYER_KERNEL", "0")
+    model_dir = tiny_model_factory("LlamaForCausalLM")
+    llm = make_llm(model_dir, max_num_batched_tokens=512)
+    outputs = check_against_hf(llm, model_dir, PROMPTS + [LONG_PROMPT], "separate operators")
+    first_step = sum(len(output.prompt_token_ids) for output in outputs[:8])  # max_num_seqs
+    assert len(GraphSizes(512, 8, static=True).calls(first_step)) > 1
+
+
 def torch_threads(worker) -> int:
     import torch
 
@@ -179,8 +194,8 @@ def test_reduced_precision_is_close_to_hf(make_llm, tiny_model_factory, monkeypa
 
 
 def test_graph_calls_cover_each_step_with_bounded_padding():
-    """A step runs as consecutive graph calls (the greedy tests above go through split steps:
-    their 8 prompts together are more tokens than a graph size + MAX_PADDING)."""
+    """A step runs as consecutive graph calls (test_split_steps_of_separate_operators_match_hf
+    goes through split steps)."""
     from vllm_mindspore.worker.model_runner import GraphSizes
 
     sizes = GraphSizes(max_tokens=2048, max_rows=8, static=True)
@@ -191,4 +206,6 @@ def test_graph_calls_cover_each_step_with_bounded_padding():
         assert all(count == padded for count, padded in calls[:-1])
         assert calls[-1][1] - calls[-1][0] <= GraphSizes.MAX_PADDING
     assert sizes.calls(136) == [(128, 128), (8, 8)]
+    # A decoder that skips padding tokens (the CPU layer operator) takes a step in one call.
+    assert sizes.calls(136, padding_is_free=True) == [(136, 256)]
     assert GraphSizes(2048, 8, static=False).calls(136) == [(136, 136)]

@@ -62,9 +62,9 @@ def build(arch: str, model_dir: str, layer_kernel: bool, bfloat16: bool, monkeyp
     return model
 
 
-def run_steps(model, vocab_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """-> (each step's hidden states [PADDED_TOKENS, hidden], every layer's key and value cache
-    after the steps)."""
+def run_steps(model, vocab_size: int, padded: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """-> (each step's hidden states [PADDED_TOKENS, hidden] (`padded`; else the step's tokens),
+    every layer's key and value cache after the steps)."""
     rng = np.random.default_rng(0)
     # Request r holds blocks 3r, 3r + 1, 3r + 2, in a scrambled order.
     block_tables = np.zeros((ROWS, 3), np.int32)
@@ -74,11 +74,12 @@ def run_steps(model, vocab_size: int) -> tuple[list[np.ndarray], list[np.ndarray
         scheduled = np.array([n for n, _ in step], np.int32)
         computed = np.array([c for _, c in step], np.int32)
         positions = np.concatenate([np.arange(c, c + n) for n, c in step]).astype(np.int32)
+        size = PADDED_TOKENS if padded else len(positions)
         metadata = AttentionMetadata.build(scheduled, computed, positions, block_tables,
-                                           BLOCK_SIZE, PADDED_TOKENS)
-        ids = np.zeros(PADDED_TOKENS, np.int32)
+                                           BLOCK_SIZE, size)
+        ids = np.zeros(size, np.int32)
         ids[:len(positions)] = rng.integers(0, vocab_size, len(positions))
-        padded_positions = np.zeros(PADDED_TOKENS, np.int32)
+        padded_positions = np.zeros(size, np.int32)
         padded_positions[:len(positions)] = positions
         hidden = model(ms.Tensor(ids), ms.Tensor(padded_positions), *metadata.tensors())
         outputs.append(hidden.asnumpy())
@@ -101,12 +102,19 @@ def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch,
     assert [layer.layer_kernel is not None for layer in one_operator.model.layers] == expected
     assert all(layer.layer_kernel is None for layer in separate.model.layers)
     vocab = one_operator.config.vocab_size
-    (fused_out, fused_caches), (ref_out, ref_caches) = (run_steps(m, vocab)
+    # The operator computes a step's tokens only and gives the padding rows zeros, where the
+    # separate operators compute those rows too. A sparse layer after it routes the two sets of
+    # padding rows to different experts, whose matmuls pick AMX tiles or vector blocks by how
+    # many rows they get: so the MoE model's bfloat16 steps here carry no padding.
+    padded = not (name == "qwen3-moe" and bfloat16)
+    (fused_out, fused_caches), (ref_out, ref_caches) = (run_steps(m, vocab, padded)
                                                         for m in (one_operator, separate))
     for step, (fused, ref) in enumerate(zip(fused_out, ref_out)):
         tokens = sum(n for n, _ in STEPS[step])
         assert np.abs(ref[:tokens]).max() > 0
         np.testing.assert_array_equal(fused[:tokens], ref[:tokens], err_msg=f"step {step}")
+        if expected[-1]:  # the last layer is the operator: nothing computed past the tokens
+            assert not fused[tokens:].any()
     for fused, ref in zip(fused_caches, ref_caches):
         assert np.abs(ref).max() > 0
         np.testing.assert_array_equal(fused, ref)

@@ -121,6 +121,7 @@ class MindFormersBackend:
         self.ascend = kernel_device() == ASCEND  # mindformers' own Ascend ops, dynamic shapes
         self.implementation = f"{type(network).__module__}.{type(network).__qualname__}"
         self.hidden_size = vllm_config.model_config.get_hidden_size()
+        self.skips_padding = False  # mindformers' layers compute every row they are given
         self.logits_head = LogitsHead(network.model.output_layer)
         self._weight_bytes = 0
         # Ascend: the caches as graph inputs (allocate_kv_cache) and the graph the cell is on.

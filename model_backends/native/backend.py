@@ -95,6 +95,7 @@ class NativeBackend:
         self.dynamic_steps: dict[bool, StepGraph] = {}
         self.head_graphs = None
         self.decode_graphs = None  # static shapes: the decoder and head's graphs, made with the head
+        self.skips_padding = False  # known once the weights are in their compute layout
 
     @classmethod
     def build(cls, model_class: str, vllm_config, block_size: int, precision: Precision,
@@ -115,6 +116,7 @@ class NativeBackend:
                             quantization)
             process_weights_after_loading(self.cell)
             self.head = self.cell.logits_head()
+        self.skips_padding = self.cell.skips_padding()
         if self.static_shapes:
             self.head_graphs = StaticGraphs(self.head)
             self.decode_graphs = StaticGraphs(StepGraph(self.cell, False, self.head))

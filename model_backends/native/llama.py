@@ -233,6 +233,11 @@ class LlamaForCausalLM(nn.Cell):
     def logits_head(self) -> LogitsHead:
         return LogitsHead(self.model.norm, self.lm_head)
 
+    def skips_padding(self) -> bool:
+        """Whether every layer is the one CPU operator, which computes the step's tokens only
+        (zeros for the padding rows after them)."""
+        return all(layer.layer_kernel is not None for layer in self.model.layers)
+
     def dynamic_inputs(self) -> tuple:
         token_ids = ms.Tensor(shape=[None], dtype=ms.int32)
         return (token_ids, token_ids) + AttentionMetadata.dynamic_inputs()

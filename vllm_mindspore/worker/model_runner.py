@@ -62,7 +62,9 @@ class GraphSizes:
     calls instead (`calls`): 136 tokens as 128 + 8 rather than 256. Each call writes its tokens'
     keys and values to the cache before the next reads them, as consecutive prefill chunks do.
     An extra call costs about one weight read, the compute of ~25 tokens of this project's
-    models on CPU, hence the bound."""
+    models on CPU, hence the bound. A decoder that computes nothing for padding tokens
+    (`ModelBackend.skips_padding`) takes any step in one call: a wave of 7 x 128-token
+    prefills ran 15% faster as one call of 1024 than as 512 + 256 + 128."""
 
     MAX_PADDING = 32
 
@@ -81,10 +83,10 @@ class GraphSizes:
     def padded_rows(self, n: int) -> int:
         return self._pad(self.rows, n) if self.static else n
 
-    def calls(self, n: int) -> list[tuple[int, int]]:
+    def calls(self, n: int, padding_is_free: bool = False) -> list[tuple[int, int]]:
         """(tokens, graph size) of each graph call of an n-token step, in order."""
-        if not self.static:
-            return [(n, n)]
+        if not self.static or padding_is_free:
+            return [(n, self.padded_tokens(n))]
         calls = []
         while self.padded_tokens(n) - n > self.MAX_PADDING:
             size = self.tokens[bisect.bisect_right(self.tokens, n) - 1]
@@ -359,7 +361,7 @@ class MindSporeModelRunner:
             num_tokens = len(input_ids)
             sizes = [(num_tokens, self.sizes.padded_tokens(self._tokens_across_dp(num_tokens)))]
         else:
-            sizes = self.sizes.calls(len(input_ids))
+            sizes = self.sizes.calls(len(input_ids), self.backend.skips_padding)
         calls, start = [], 0
         for count, padded in sizes:
             end = start + count

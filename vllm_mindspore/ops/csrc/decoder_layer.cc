@@ -4,6 +4,7 @@
 // of separate operators is 7 launches (norm, q|k|v, attention, o, norm, gate|up, down), 58 of a
 // batch-1 decode step's 68.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -91,7 +92,14 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   }
   const char *act = dtypes[kHidden];
   const size_t width = std::strcmp(act, "float32") == 0 ? 4 : 2;
-  const int64_t T = shapes[kHidden][0], E = shapes[kHidden][1];
+  const int64_t padded_tokens = shapes[kHidden][0], E = shapes[kHidden][1];
+  // The step's tokens come first, then padding up to a compiled graph size: the layer computes
+  // the tokens' rows only (so padding costs nothing) and gives the padding rows zeros.
+  const int32_t *q_lens = static_cast<const int32_t *>(params[kQLens]);
+  int64_t T = 0;
+  for (int64_t row = 0; row < elements(ndims[kQLens], shapes[kQLens]); ++row)
+    T += std::max(q_lens[row], 0);
+  if (T > padded_tokens) return 1;  // inconsistent metadata: MindSpore raises
   const int64_t kv_heads = shapes[kKeyCache][1], D = shapes[kKeyCache][2];
   const int64_t Dv = shapes[kValueCache][3];
   const int32_t *sizes = static_cast<const int32_t *>(params[kSizes]);
@@ -99,6 +107,16 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   const int64_t N = (heads + kv_heads) * D + kv_heads * Dv;
   const Arg hidden_out{params[kInputs], {T, E}, act};
   const Arg residual_out{params[kInputs + 1], {T, E}, act};
+  for (const Arg &out : {hidden_out, residual_out}) {
+    std::memset(static_cast<char *>(out.data) + T * E * width, 0,
+                static_cast<size_t>((padded_tokens - T) * E) * width);
+  }
+  // An input of [padded_tokens, ...] as its first T rows.
+  auto tokens_of = [&](int i) {
+    Arg arg = input(i);
+    arg.shape[0] = T;
+    return arg;
+  };
   // The intermediates, reused from call to call (a buffer only grows).
   thread_local std::vector<char> normed_buffer, qkv_buffer, qk_buffer, attn_buffer, o_buffer,
       gated_buffer;
@@ -127,11 +145,11 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   // (status != 0) stops the layer, and MindSpore raises.
   std::vector<std::pair<Kernel, std::vector<Arg>>> steps;
   if (present(kResidual)) {
-    steps.push_back({AddRmsNorm, {input(kHidden), input(kResidual), input(kInputNorm),
+    steps.push_back({AddRmsNorm, {tokens_of(kHidden), tokens_of(kResidual), input(kInputNorm),
                                   input(kEps), normed, residual_out}});
   } else {
     std::memcpy(residual_out.data, params[kHidden], static_cast<size_t>(T * E) * width);
-    steps.push_back({RmsNorm, {input(kHidden), input(kInputNorm), input(kEps), normed}});
+    steps.push_back({RmsNorm, {tokens_of(kHidden), input(kInputNorm), input(kEps), normed}});
   }
   if (present(kQkvBias)) {
     steps.push_back({LinearBias, {normed, input(kQkv), input(kQkvBias), qkv}});
@@ -140,9 +158,9 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   }
   if (present(kQkNorm)) steps.push_back({RmsNorm, {qkv, input(kQkNorm), input(kEps), qk}});
   steps.push_back({RotaryPagedAttentionNeox,
-                   {qk, qkv, input(kKeyCache), input(kValueCache), input(kSlotMapping),
+                   {qk, qkv, input(kKeyCache), input(kValueCache), tokens_of(kSlotMapping),
                     input(kBlockTables), input(kSeqLens), input(kQLens), input(kScale),
-                    input(kPositions), input(kCosSin), attn}});
+                    tokens_of(kPositions), input(kCosSin), attn}});
   steps.push_back({Linear, {Arg{attn.data, {T, heads * Dv}, matmul_rows}, input(kOProj), o}});
   // In place on the residual stream: the norm reads a row whole before it writes it.
   steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), normed,
