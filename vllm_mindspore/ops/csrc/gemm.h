@@ -480,16 +480,27 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// c[0:16 T, 0:32] = a[0:16 T, 0:pairs] . panel[0:pairs, 32, 2], pairs a multiple of kTilePairs;
-// a's rows lda pairs apart, c's rows ldc floats apart.
+// c[0:16 T, 0:32] = (bias[0:32] +) a[0:16 T, 0:pairs] . panel[0:pairs, 32, 2], pairs a multiple
+// of kTilePairs; a's rows lda pairs apart, c's rows ldc floats apart. The bias is the sums'
+// starting value (a tile load of row stride 0): added to c after the tiles' stores, its loads
+// waited for those stores (the model's 128-row q|k|v projection 183 -> 153 us).
 template <int T>
 void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs, float *c,
-               int64_t ldc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (T == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
+               int64_t ldc, const float *bias) {
+  if (bias != nullptr) {
+    _tile_loadd(0, bias, 0);
+    _tile_loadd(1, bias + 16, 0);
+    if constexpr (T == 2) {
+      _tile_loadd(2, bias, 0);
+      _tile_loadd(3, bias + 16, 0);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (T == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
     const bf16 *b = panel + p * 2 * kPanel;
@@ -538,7 +549,19 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
   const int64_t tiled = steps / kTilePairs * kTilePairs;
   const int64_t padded_rows = (M + 15) / 16 * 16;
   const Panels panels{packed, steps * 2 * kPanel * static_cast<int64_t>(sizeof(bf16))};
-  for_each_output_block<TileState>(gated, M, padded_rows, kAmxRowChunk, 32, N, bias, y, ldy,
+  // A float32 bias goes into the tiles (amx_block) where they run, zero-padded to whole panels
+  // (a tile reads 32 columns); else finish_rows adds it.
+  const float *tile_bias = nullptr;
+  if constexpr (std::is_same_v<B, float>) {
+    if (bias != nullptr && tiled > 0 && !gated) {
+      thread_local std::vector<float> padded_bias;
+      padded_bias.assign((N + kPanel - 1) / kPanel * kPanel, 0.0f);
+      std::copy(bias, bias + N, padded_bias.begin());
+      tile_bias = padded_bias.data();
+    }
+  }
+  const B *rows_bias = tile_bias != nullptr ? nullptr : bias;
+  for_each_output_block<TileState>(gated, M, padded_rows, kAmxRowChunk, 32, N, rows_bias, y, ldy,
                                    parallel, panels,
                             [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
                                 int64_t ldc) {
@@ -552,10 +575,11 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
         std::copy(rows_of_a, rows_of_a + rows * steps, last_block.begin());
         rows_of_a = last_block.data();
       }
+      const float *panel_bias = tile_bias != nullptr ? tile_bias + p * kPanel : nullptr;
       if (block == 32)
-        amx_block<2>(rows_of_a, steps, panel, tiled, c, ldc);
+        amx_block<2>(rows_of_a, steps, panel, tiled, c, ldc, panel_bias);
       else
-        amx_block<1>(rows_of_a, steps, panel, tiled, c, ldc);
+        amx_block<1>(rows_of_a, steps, panel, tiled, c, ldc, panel_bias);
     }
     for (int64_t r = 0; tiled < steps && r < rows; r += kSmallRows)
       block_n(static_cast<int>(std::min<int64_t>(kSmallRows, rows - r)),
