@@ -410,10 +410,12 @@ void attend_on_tiles(const Shape &s, int64_t rows, int64_t keys, const float *q,
                 return k_tiles.data() + (t * D / 2 + step * kTileRows) * 2 * kTileRows;
               },
               scores.data() + r0 * width, width);
+    // The values' tiles below read the numerators up to `needed` only (seen keys, whole steps).
+    const int64_t needed = (seen + kTileDepth - 1) / kTileDepth * kTileDepth;
     for (int64_t r = r0; r < std::min(rows, r0 + kTileRows); ++r) {
       float *p = scores.data() + r * width;
-      l[r] = softmax_numerators(p, visible(r), width);
-      convert(p, p_tiles.data() + r * width, width);
+      l[r] = softmax_numerators(p, visible(r), needed);
+      convert(p, p_tiles.data() + r * width, needed);
     }
     tile_rows(Dv / kTileRows, p_tiles.data() + r0 * width, width,
               (seen + kTileDepth - 1) / kTileDepth,
@@ -457,6 +459,9 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
   auto head_of = [&](int64_t g, int64_t h) { return (item.kv0 + g) * group + item.h0 + h; };
   const bool tile_rounding = rounds_as_tiles<C>(s);
+  // A chunk of at least a tile's rows a KV head takes the tiles for all its queries, which round
+  // the queries as they convert them; the register blocks read them rounded here.
+  const bool on_tiles = tile_rounding && heads * item.q_len >= kTileRows;
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t i = item.q0; i < item.q1; ++i) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -464,7 +469,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
         convert(query + (item.first_token + i) * s.query_stride + head_of(g, h) * D, qr, D);
         s.rotary.apply(qr, qr, item.first_token + i);
         for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
-        if (tile_rounding) round_to_bfloat16(qr, D);
+        if (tile_rounding && !on_tiles) round_to_bfloat16(qr, D);
       }
     }
   }
@@ -489,8 +494,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   };
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<C, bf16>) {
-    // A chunk of at least a tile's rows a KV head takes the tiles for all its queries.
-    if (tile_rounding && heads * item.q_len >= kTileRows) {
+    if (on_tiles) {
       TileState tiles;
       for (int64_t g = 0; g < kv_heads; ++g) {
         attend_on_tiles(
