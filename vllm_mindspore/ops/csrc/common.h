@@ -113,10 +113,13 @@ inline void store_lanes(bf16 *p, lanes v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
+// Pairwise (log2 kLanes dependent adds, not kLanes - 1): the softmax takes one a row of scores.
 inline float horizontal_sum(lanes v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof(t));
+  for (int half = kLanes / 2; half > 0; half /= 2)
+    for (int i = 0; i < half; ++i) t[i] += t[i + half];
+  return t[0];
 }
 
 // Asks for the cache lines of [start, start + bytes) into L2 (asking for L1 evicted lines still

@@ -201,10 +201,12 @@ void visit_prefetched(int64_t num_blocks, int64_t bytes, Block block, Visit visi
   }
 }
 
-inline float horizontal_max(lanes v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+inline float horizontal_max(lanes v) {  // pairwise, as horizontal_sum
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof(t));
+  for (int half = kLanes / 2; half > 0; half /= 2)
+    for (int i = 0; i < half; ++i) t[i] = std::max(t[i], t[i + half]);
+  return t[0];
 }
 
 // p[0:n] = exp(p - max p[0:n]), p[n:width] = 0; returns the sum of p. A last partial vector
