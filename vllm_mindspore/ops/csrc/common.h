@@ -113,13 +113,23 @@ inline void store_lanes(bf16 *p, lanes v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
-// Pairwise (log2 kLanes dependent adds, not kLanes - 1): the softmax takes one a row of scores.
-inline float horizontal_sum(lanes v) {
+// The lanes combined pairwise (log2 kLanes dependent steps, not kLanes - 1): the softmax takes a
+// sum and a max a row of scores.
+template <typename Op>
+inline float combine_lanes(lanes v, Op op) {
   float t[kLanes];
   std::memcpy(t, &v, sizeof(t));
   for (int half = kLanes / 2; half > 0; half /= 2)
-    for (int i = 0; i < half; ++i) t[i] += t[i + half];
+    for (int i = 0; i < half; ++i) t[i] = op(t[i], t[i + half]);
   return t[0];
+}
+
+inline float horizontal_sum(lanes v) {
+  return combine_lanes(v, [](float a, float b) { return a + b; });
+}
+
+inline float horizontal_max(lanes v) {
+  return combine_lanes(v, [](float a, float b) { return std::max(a, b); });
 }
 
 // Asks for the cache lines of [start, start + bytes) into L2 (asking for L1 evicted lines still

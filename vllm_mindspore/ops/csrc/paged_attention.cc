@@ -47,10 +47,12 @@ struct Shape {
   Rotary rotary = {};            // applied to the queries and keys (MHA only)
 };
 
-// A unit of work: one request's queries [q0, q1) (of its q_len this step) for KV heads
-// [kv0, kv1) and, of each KV head's group of query heads, heads [h0, h1) (offsets in the group).
+// A unit of work: one request's queries [q0, q1) of this step for KV heads [kv0, kv1) and, of
+// each KV head's group of query heads, heads [h0, h1) (offsets in the group); on_tiles: the
+// request's chunk takes the AMX tiles (run decides it once for all its items).
 struct Item {
-  int64_t row, kv0, kv1, h0, h1, q0, q1, q_len, first_token, context_start;
+  int64_t row, kv0, kv1, h0, h1, q0, q1, first_token, context_start;
+  bool on_tiles;
 };
 
 // Token t's keys (rotated) and values into its cache slot.
@@ -199,14 +201,6 @@ void visit_prefetched(int64_t num_blocks, int64_t bytes, Block block, Visit visi
     if (j + ahead < num_blocks) prefetch(block(j + ahead), bytes);
     visit(j);
   }
-}
-
-inline float horizontal_max(lanes v) {  // pairwise, as horizontal_sum
-  float t[kLanes];
-  std::memcpy(t, &v, sizeof(t));
-  for (int half = kLanes / 2; half > 0; half /= 2)
-    for (int i = 0; i < half; ++i) t[i] = std::max(t[i], t[i + half]);
-  return t[0];
 }
 
 // p[0:n] = exp(p - max p[0:n]), p[n:width] = 0; returns the sum of p. A last partial vector
@@ -461,9 +455,6 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
   auto head_of = [&](int64_t g, int64_t h) { return (item.kv0 + g) * group + item.h0 + h; };
   const bool tile_rounding = rounds_as_tiles<C>(s);
-  // A chunk of at least a tile's rows a KV head takes the tiles for all its queries, which round
-  // the queries as they convert them; the register blocks read them rounded here.
-  const bool on_tiles = tile_rounding && heads * item.q_len >= kTileRows;
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t i = item.q0; i < item.q1; ++i) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -471,7 +462,8 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
         convert(query + (item.first_token + i) * s.query_stride + head_of(g, h) * D, qr, D);
         s.rotary.apply(qr, qr, item.first_token + i);
         for (int64_t d = 0; d < D; ++d) qr[d] *= s.scale;
-        if (tile_rounding && !on_tiles) round_to_bfloat16(qr, D);
+        // the tiles round the queries as they convert them
+        if (tile_rounding && !item.on_tiles) round_to_bfloat16(qr, D);
       }
     }
   }
@@ -496,7 +488,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   };
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<C, bf16>) {
-    if (on_tiles) {
+    if (item.on_tiles) {
       TileState tiles;
       for (int64_t g = 0; g < kv_heads; ++g) {
         attend_on_tiles(
@@ -625,7 +617,8 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
     }
     // A decode's KV heads in one item (up to most_kv_per_item), a prefill chunk's one KV head
     // an item.
-    const bool on_tiles = tiles && head_chunk * q_len >= kTileRows;  // as attend decides
+    // A chunk of at least a tile's rows a KV head takes the tiles for all its queries.
+    const bool on_tiles = tiles && head_chunk * q_len >= kTileRows;
     const int64_t queries =
         on_tiles ? std::max<int64_t>(1, kTileRowsPerItem / head_chunk) : queries_per_item;
     const int64_t pieces = (q_len + queries - 1) / queries;
@@ -638,7 +631,7 @@ int run(const Shape &s, const T *query, const T *key, const T *value, C *key_cac
           const int64_t q0 = (on_tiles ? pieces - 1 - piece : piece) * queries;
           items.push_back({row, kv0, std::min(s.num_kv_heads, kv0 + kv_per_item), h0,
                            std::min(group, h0 + head_chunk), q0, std::min(q_len, q0 + queries),
-                           q_len, token, context_start});
+                           token, context_start, on_tiles});
         }
     token += q_len;
   }
