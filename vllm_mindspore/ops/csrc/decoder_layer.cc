@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "gemm.h"  // amx_takes
+#include "gemm.h"  // amx_takes, Buffer
 
 extern "C" {
 int RmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
@@ -118,9 +118,9 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
     return arg;
   };
   // The intermediates, reused from call to call (a buffer only grows).
-  thread_local std::vector<char> normed_buffer, qkv_buffer, qk_buffer, attn_buffer, o_buffer,
+  thread_local vllm_ms::Buffer<char> normed_buffer, qkv_buffer, qk_buffer, attn_buffer, o_buffer,
       gated_buffer;
-  auto scratch = [&](std::vector<char> &buffer, std::vector<int64_t> shape,
+  auto scratch = [&](vllm_ms::Buffer<char> &buffer, std::vector<int64_t> shape,
                      const char *dtype) {
     const size_t bytes = std::strcmp(dtype, "float32") == 0 ? 4 : 2;
     buffer.resize(static_cast<size_t>(elements(static_cast<int>(shape.size()), shape.data())) *

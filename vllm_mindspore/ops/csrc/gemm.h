@@ -291,7 +291,7 @@ inline bool widen_bf16() {
 // take microseconds, less than waking the other thread).
 template <typename W>
 const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t K, int64_t steps,
-                                              int64_t padded_rows, std::vector<uint32_t> &buffer,
+                                              int64_t padded_rows, Buffer<uint32_t> &buffer,
                                               bool parallel) {
   if constexpr (std::is_same_v<W, bf16>) {
     buffer.resize(padded_rows * steps);
@@ -554,7 +554,7 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
   const float *tile_bias = nullptr;
   if constexpr (std::is_same_v<B, float>) {
     if (bias != nullptr && tiled > 0 && !gated) {
-      thread_local std::vector<float> padded_bias;
+      thread_local Buffer<float> padded_bias;
       padded_bias.assign((N + kPanel - 1) / kPanel * kPanel, 0.0f);
       std::copy(bias, bias + N, padded_bias.begin());
       tile_bias = padded_bias.data();
@@ -570,7 +570,7 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
     if (tiled > 0) {
       const uint32_t *rows_of_a = a + i * steps;
       if (i + block > a_rows) {
-        thread_local std::vector<uint32_t> last_block;
+        thread_local Buffer<uint32_t> last_block;
         last_block.assign(block * steps, 0u);
         std::copy(rows_of_a, rows_of_a + rows * steps, last_block.begin());
         rows_of_a = last_block.data();
@@ -606,7 +606,7 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   if constexpr (std::is_same_v<W, bf16>) {
     if (amx_takes(M)) {
       const int64_t steps = (K + 1) / 2, padded_rows = (M + 15) / 16 * 16;
-      thread_local std::vector<uint32_t> step_buffer;
+      thread_local Buffer<uint32_t> step_buffer;
       const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
       return matmul_amx(a, padded_rows, M, steps, packed, bias, N, y, ldy, parallel, gated);
     }
@@ -629,14 +629,14 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   if constexpr (std::is_same_v<W, bf16>) {
     if (widen_bf16()) {
       if (K % 2 == 0) return run(x, K, 2, kSmallRows);
-      thread_local std::vector<float> even_rows;  // an odd K's rows padded with a zero k
+      thread_local Buffer<float> even_rows;  // an odd K's rows padded with a zero k
       even_rows.assign(M * (K + 1), 0.0f);
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(&even_rows[m * (K + 1)], x + m * K, K * sizeof(float));
       return run(even_rows.data(), K + 1, 2, kSmallRows);
     }
   }
-  thread_local std::vector<uint32_t> step_buffer;
+  thread_local Buffer<uint32_t> step_buffer;
   run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1, kRows);
 }
 
@@ -652,7 +652,7 @@ void matmul(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, const B *bi
                       ldy, parallel, gated);
   }
 #endif
-  thread_local std::vector<float> widened;
+  thread_local Buffer<float> widened;
   matmul(as_float(x, M * K, widened), M, K, packed, bias, N, y, ldy, parallel, gated);
 }
 

@@ -37,7 +37,7 @@ int run(void **params, int *ndims, int64_t **shapes, bool has_bias, bool gated) 
   const int64_t M = shapes[0][0], K = shapes[0][1];
   const int64_t N = shapes[has_bias ? 3 : 2][1] * (gated ? 2 : 1);
   if (!packed_shape_fits<W>(ndims[1], shapes[1], K, N)) return 1;
-  thread_local std::vector<float> x_buffer, y_buffer;
+  thread_local Buffer<float> x_buffer, y_buffer;
   auto rows_of_x = [&] {  // as the matmul takes them: float32, or bfloat16 over bfloat16 W
     if constexpr (std::is_same_v<X, bf16>) return x;
     else return as_float(x, M * K, x_buffer);

@@ -37,13 +37,13 @@ int run(void **params, int64_t **shapes, int w13_dims) {
   std::vector<int64_t> start, order;
   group_by_expert(ids, tokens * K, experts, start, order);
 
-  std::vector<float> x_buffer;
+  Buffer<float> x_buffer;
   const float *xf = as_float(x, tokens * D, x_buffer);
   std::vector<float> copies(tokens * K * D, 0.0f);  // each copy's weighted expert output
   parallel_for_each_claimed(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) return;
-    thread_local std::vector<float> rows, gate_up, act, down;
+    thread_local Buffer<float> rows, gate_up, act, down;
     rows.resize(n * D);
     act.resize(n * I);
     down.resize(n * D);

@@ -23,7 +23,7 @@ template <typename T, typename Y>
 void rms_norm(const T *x, int64_t x_stride, const T *residual, const T *weight, int64_t rows,
               int64_t rows_per_token, int64_t size, int64_t weight_rows, float eps, Y *y, T *sum) {
   parallel_for(rows, [&](int64_t r) {
-    thread_local std::vector<float> buffer;
+    thread_local Buffer<float> buffer;
     const T *xr = x + (r / rows_per_token) * x_stride + (r % rows_per_token) * size;
     const float *v;  // the row (+ residual) in float32
     if (!residual) {

@@ -63,7 +63,7 @@ void write_token(const Shape &s, int64_t t, const T *key, const T *value, C *key
   const int64_t slot = slot_mapping[t];
   if (slot < 0) return;
   const int64_t block = slot / bs, offset = slot % bs;
-  thread_local std::vector<float> k;
+  thread_local Buffer<float> k;
   k.resize(D);
   for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
     convert(key + t * s.key_stride + kvh * D, k.data(), D);
@@ -361,8 +361,8 @@ void attend_on_tiles(const Shape &s, int64_t rows, int64_t keys, const float *q,
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.v_head_dim;
   const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t width = (keys + kTileDepth - 1) / kTileDepth * kTileDepth;
-  thread_local std::vector<bf16> q_tiles, k_tiles, v_tiles, p_tiles;
-  thread_local std::vector<float> scores, out_tiles;
+  thread_local Buffer<bf16> q_tiles, k_tiles, v_tiles, p_tiles;
+  thread_local Buffer<float> scores, out_tiles;
   // q [padded_rows, D]; keys as tiles of 16 keys [width / 16, D / 2, 16, 2]; values as tiles of
   // 16 channels [Dv / 16, width / 2, 16, 2]; numerators [padded_rows, width]
   q_tiles.resize(padded_rows * D);
@@ -447,7 +447,7 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   const int64_t all_rows = kv_heads * rows;
   const int64_t visible_max = item.context_start + item.q1;  // keys seen by the last query
   const int64_t num_blocks = (visible_max + bs - 1) / bs, width = num_blocks * bs;
-  thread_local std::vector<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;  // k/v: MLA only
+  thread_local Buffer<float> q_buf, acc_buf, l_buf, k_buf, v_buf, p_buf;  // k/v: MLA only
   q_buf.resize(all_rows * D);
   acc_buf.resize(all_rows * Dv);
   l_buf.resize(all_rows);

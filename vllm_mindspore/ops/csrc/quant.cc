@@ -239,9 +239,9 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
     return 1;
   const float *bias = colp_rows > 1 ? colp + N : nullptr;
 
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<uint8_t> u;
-  thread_local std::vector<float> token_scale, y;
+  thread_local Buffer<int8_t> q;
+  thread_local Buffer<uint8_t> u;
+  thread_local Buffer<float> token_scale, y;
   q.resize(K);
   u.resize(M * K4 * 4);
   token_scale.resize(M);
@@ -327,9 +327,9 @@ int moe_experts(void **params, int64_t **shapes) {
   parallel_for_each_claimed(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) return;
-    thread_local std::vector<uint8_t> rows, act_u;
-    thread_local std::vector<float> rows_scale, gate_up, act, act_scale, down;
-    thread_local std::vector<int8_t> q;
+    thread_local Buffer<uint8_t> rows, act_u;
+    thread_local Buffer<float> rows_scale, gate_up, act, act_scale, down;
+    thread_local Buffer<int8_t> q;
     rows.resize(n * D4 * 4);
     rows_scale.resize(n);
     for (int64_t j = 0; j < n; ++j) {
