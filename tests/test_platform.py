@@ -57,3 +57,61 @@ def test_unknown_backend_names_the_valid_ones(monkeypatch):
     monkeypatch.setenv("vLLM_MODEL_BACKEND", "Torch")
     with pytest.raises(ValueError, match="valid values: Native, MindFormers"):
         select_backend()
+
+
+class Reexecuted(Exception):
+    """os.execve's stand-in: what the command would have run again with."""
+
+
+def test_cli_preloads_tcmalloc_on_cpu_where_installed(monkeypatch, tmp_path):
+    import os
+
+    from vllm_mindspore import cli
+
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    library.write_bytes(b"")
+
+    def execve(path, argv, env):
+        raise Reexecuted(path, argv, env)
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"), str(library)))
+    monkeypatch.setattr("sys.argv", ["vllm-mindspore", "serve", "demo_model", "--port", "8001"])
+    monkeypatch.setenv("VLLM_MS_DEVICE", "CPU")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    with pytest.raises(Reexecuted) as run:
+        cli.preload_tcmalloc()
+    path, argv, env = run.value.args
+    assert argv[1:] == ["-m", "vllm_mindspore.cli", "serve", "demo_model", "--port", "8001"]
+    assert env["LD_PRELOAD"] == f"{library}:/opt/other.so"
+    # Already preloaded (the command run again), switched off, on Ascend, or not installed:
+    # the command goes on as it is.
+    for name, value in [("LD_PRELOAD", str(library)), ("VLLM_MS_CPU_TCMALLOC", "0"),
+                        ("VLLM_MS_DEVICE", "Ascend")]:
+        with monkeypatch.context() as scoped:
+            scoped.setenv(name, value)
+            cli.preload_tcmalloc()
+    monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"),))
+    cli.preload_tcmalloc()
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_cli_runs_again_with_tcmalloc_where_installed(enabled):
+    """The command run as it is started, with the dynamic loader telling which libraries it
+    initialises: tcmalloc among them exactly when the command preloads it."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_mindspore import cli
+
+    installed = [path for path in cli.TCMALLOC_PATHS if os.path.exists(path)]
+    if not installed:
+        pytest.skip("libtcmalloc_minimal.so.4 is not installed on this machine")
+    env = dict(os.environ, LD_DEBUG="files", VLLM_MS_CPU_TCMALLOC=enabled, VLLM_MS_DEVICE="CPU")
+    env.pop("LD_PRELOAD", None)
+    result = subprocess.run([sys.executable, "-m", "vllm_mindspore.cli", "models"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "LlamaForCausalLM" in result.stdout
+    assert (f"calling init: {installed[0]}" in result.stderr) == (enabled == "1")

@@ -23,9 +23,35 @@ def check_environment() -> None:
         sys.exit(f"vllm-mindspore: error: {error}")
 
 
+# Where the system package libtcmalloc-minimal4 (Debian, Ubuntu) or gperftools-libs puts it.
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def preload_tcmalloc() -> None:
+    """On CPU, runs this command again with tcmalloc preloaded where it is installed and nothing
+    preloads it already (VLLM_MS_CPU_TCMALLOC=0: never). MindSpore allocates its CPU tensors with
+    malloc, and glibc's start 16 bytes into a cache line; tcmalloc's on one, which the kernels'
+    64-byte loads and AMX tile rows read as one line instead of two (README, "CPU: preload
+    tcmalloc"). The same process id runs on (execve), with the workers it starts inheriting it."""
+    from vllm_mindspore import envs
+    from vllm_mindspore.device import CPU, detect_device
+
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if not envs.VLLM_MS_CPU_TCMALLOC or "tcmalloc" in preloaded or detect_device() != CPU:
+        return
+    library = next((path for path in TCMALLOC_PATHS if os.path.exists(path)), None)
+    if library is None:
+        return
+    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [library, preloaded])))
+    os.execve(sys.executable, [sys.executable, "-m", "vllm_mindspore.cli", *sys.argv[1:]], env)
+
+
 def main() -> None:
     set_env_defaults()
     check_environment()
+    preload_tcmalloc()
     if sys.argv[1:2] == ["models"]:
         from model_backends import describe_registry, select_backend
 

@@ -86,6 +86,13 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Qwen3) as one operator where it can (float weights, one tensor-parallel rank); 0 runs "
         "its parts as separate operators (the same kernels, for comparison).",
     ),
+    "VLLM_MS_CPU_TCMALLOC": (
+        _flag("VLLM_MS_CPU_TCMALLOC", "1"),
+        "CPU: 1 (default) runs the vllm-mindspore command again with tcmalloc preloaded "
+        "(LD_PRELOAD) where the system has libtcmalloc_minimal.so.4 and nothing preloads it "
+        "already: MindSpore's tensors then start on a cache line (README, \"CPU: preload "
+        "tcmalloc\"); 0 keeps glibc's malloc. Offline scripts preload it themselves.",
+    ),
     "VLLM_MS_CPU_BF16_WIDEN": (
         _choice("VLLM_MS_CPU_BF16_WIDEN", ("auto", "1", "0"), "auto"),
         "CPU, --dtype bfloat16, without AMX: 1 widens the bfloat16 weights to float32 and "

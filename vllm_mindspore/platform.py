@@ -15,26 +15,13 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from model_backends.contract import Precision
 from vllm_mindspore import envs
+from vllm_mindspore.device import ASCEND, CPU, detect_device
 from vllm_mindspore.patches import apply_patches
 from vllm_mindspore.scoped import ScopedSetting
 
 logger = init_logger("vllm.vllm_mindspore.platform")
 
 apply_patches()
-
-ASCEND = "Ascend"
-CPU = "CPU"
-
-
-def detect_device() -> str:
-    """Ascend when asked for, or when NPU device nodes exist; else CPU."""
-    wanted = envs.VLLM_MS_DEVICE.lower()  # auto | ascend | cpu (checked)
-    if wanted == "ascend":
-        return ASCEND
-    if wanted == "cpu":
-        return CPU
-    return ASCEND if glob.glob("/dev/davinci[0-9]*") else CPU
-
 
 DEVICE = detect_device()
 _kernel_device: ScopedSetting[str | None] = ScopedSetting(None)
