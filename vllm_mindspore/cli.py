@@ -23,10 +23,17 @@ def check_environment() -> None:
         sys.exit(f"vllm-mindspore: error: {error}")
 
 
-# Where the system package libtcmalloc-minimal4 (Debian, Ubuntu) or gperftools-libs puts it.
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-                  "/usr/lib64/libtcmalloc_minimal.so.4")
+# Where the system packages put tcmalloc (libtcmalloc-minimal4 on Debian and Ubuntu,
+# gperftools-libs on RHEL-likes), the minimal library first.
+TCMALLOC_PATHS = tuple(os.path.join(folder, name)
+                       for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+                       for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+                                      "/usr/lib64", "/usr/lib", "/usr/local/lib"))
+
+
+def installed_tcmalloc() -> str | None:
+    """The first of TCMALLOC_PATHS on this machine (also what benchmarks/throughput.py preloads)."""
+    return next((path for path in TCMALLOC_PATHS if os.path.exists(path)), None)
 
 
 def preload_tcmalloc() -> None:
@@ -41,7 +48,7 @@ def preload_tcmalloc() -> None:
     preloaded = os.environ.get("LD_PRELOAD", "")
     if not envs.VLLM_MS_CPU_TCMALLOC or "tcmalloc" in preloaded or detect_device() != CPU:
         return
-    library = next((path for path in TCMALLOC_PATHS if os.path.exists(path)), None)
+    library = installed_tcmalloc()
     if library is None:
         return
     env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [library, preloaded])))
