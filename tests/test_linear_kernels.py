@@ -2,9 +2,9 @@
 packed-panel matmul) against numpy in float64, for every weight dtype the kernels take: float32,
 float16 (activations float16 too) and bfloat16 (AVX512-BF16: float32 activations rounded to
 bfloat16 at the matmul's input, float32 sums). Shapes cover an odd K, N not a multiple of 32,
-decode-sized blocks (1, 8, 9 rows) and several row chunks (300 rows). bfloat16 weights are checked
-on each kernel the CPU has: vdpbf16ps, widened to float32 for FMAs (x not rounded), and AMX
-tiles."""
+decode-sized blocks (1, 8, 9, 15 rows) and several row chunks (300 rows). bfloat16 weights are
+checked on each kernel the CPU has: vdpbf16ps, widened to float32 for FMAs (x not rounded), and
+AMX tiles."""
 
 import mindspore as ms
 import numpy as np
@@ -69,10 +69,11 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
 
 @pytest.mark.parametrize("weight_kernel", WEIGHT_DTYPES, indirect=True)
 # K = 600: AMX takes 18 tile steps and a tail of 24 k, the other kernels two passes of kDepth
-# (512 k), over the blocks of a chunk (64 rows: two 32-row blocks; 300: two chunks). Rows 4, 8 and
-# 9 end in blocks of 4, 2 and 3 rows (a panel in two halves on AVX2 from 3 rows on).
-@pytest.mark.parametrize("rows, in_features", [(1, 37), (4, 600), (8, 37), (9, 37), (300, 37),
-                                               (9, 600), (64, 600), (300, 600)])
+# (512 k), over the blocks of a chunk (64 rows: two 32-row blocks; 300: several chunks). On AVX2
+# blocks are 6 rows (8, 9: end in blocks of 2 and 3; a panel in two halves from 3 rows on), on
+# AVX-512 up to 14 rows (9: one block; 15: 14 + 1; 64: 4 x 14 + 8).
+@pytest.mark.parametrize("rows, in_features", [(1, 37), (4, 600), (8, 37), (9, 37), (15, 37),
+                                               (300, 37), (9, 600), (64, 600), (300, 600)])
 # silu_and_mul with 70 outputs: the gate|up boundary inside a panel (a separate silu * up pass);
 # with 128 ("aligned"): at a panel boundary (silu * up in the matmul's blocks).
 @pytest.mark.parametrize("variant", ["plain", "bias", "silu_and_mul", "silu_and_mul-aligned"])
