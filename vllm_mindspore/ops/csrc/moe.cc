@@ -39,7 +39,7 @@ int run(void **params, int64_t **shapes, int w13_dims) {
 
   Buffer<float> x_buffer;
   const float *xf = as_float(x, tokens * D, x_buffer);
-  std::vector<float> copies(tokens * K * D, 0.0f);  // each copy's weighted expert output
+  Buffer<float> copies(tokens * K * D, 0.0f);  // each copy's weighted expert output
   parallel_for_each_claimed(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) return;

@@ -314,16 +314,16 @@ int moe_experts(void **params, int64_t **shapes) {
   group_by_expert(ids, tokens * K, experts, start, order);
 
   // Every token quantized once (its copies share the row).
-  std::vector<uint8_t> ux(tokens * D4 * 4);
-  std::vector<float> sx(tokens);
+  Buffer<uint8_t> ux(tokens * D4 * 4);
+  Buffer<float> sx(tokens);
   {
-    std::vector<int8_t> q(D);
+    Buffer<int8_t> q(D);
     for (int64_t t = 0; t < tokens; ++t) {
       sx[t] = quantize_dynamic_row(x + t * D, D, q.data());
       to_unsigned(q.data(), D, D4, ux.data() + t * D4 * 4);
     }
   }
-  std::vector<float> copies(tokens * K * D, 0.0f);
+  Buffer<float> copies(tokens * K * D, 0.0f);
   parallel_for_each_claimed(experts, [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) return;
@@ -435,7 +435,7 @@ int QuantMatmulInt32(int nparam, void **params, int *, int64_t **shapes, const c
   const int8_t *q = static_cast<const int8_t *>(params[0]);
   const int64_t M = shapes[0][0], K = shapes[0][1], K4 = shapes[1][1], N = shapes[2][0];
   if (K4 != groups_of_4(K) || shapes[3][1] != N) return 1;
-  std::vector<uint8_t> u(M * K4 * 4);
+  Buffer<uint8_t> u(M * K4 * 4);
   for (int64_t m = 0; m < M; ++m) to_unsigned(q + m * K, K, K4, u.data() + m * K4 * 4);
   int8_matmul(u.data(), M, K4, static_cast<const int8_t *>(params[1]),
               static_cast<const int32_t *>(params[2]), N, static_cast<int32_t *>(params[3]), N);
