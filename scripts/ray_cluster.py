@@ -46,6 +46,8 @@ import subprocess
 import sys
 import time
 
+from vllm_mindspore.device import device_for
+
 DEFAULT_STATE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm-mindspore", "ray-cluster")
 STATE_FILE = "cluster.json"
 RESOURCE = "NPU"  # vllm_mindspore.platform.MindSporePlatform.ray_device_key
@@ -143,14 +145,6 @@ def report_env(state: dict, env_file: str | None) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # devices and checks
-
-
-def detect_device(env: dict[str, str]) -> str:
-    """What vllm_mindspore.platform.detect_device would pick with this environment."""
-    wanted = env.get("VLLM_MS_DEVICE", "auto").strip().lower()
-    if wanted in ("ascend", "cpu"):
-        return "Ascend" if wanted == "ascend" else "CPU"
-    return "Ascend" if glob.glob("/dev/davinci[0-9]*") else "CPU"
 
 
 def count_devices(device: str, env: dict[str, str], requested: int | None) -> int:
@@ -377,7 +371,7 @@ def start(args, role: str) -> int:
         os.remove(state_path(args))
 
     env, file_vars = load_env_file(args.env_file, dict(os.environ))
-    device = detect_device(env)
+    device = device_for(env.get("VLLM_MS_DEVICE", "auto"))  # the node's, from its env file
     devices = count_devices(device, env, args.devices)
     if device == "Ascend":
         check_pyacl(env)
