@@ -46,7 +46,11 @@ import subprocess
 import sys
 import time
 
-from vllm_mindspore.device import device_for
+try:
+    from vllm_mindspore.device import device_for
+except ImportError as error:  # run with another Python than the plugin's environment
+    sys.exit(f"ray_cluster.py: {error}. Run it with the Python of the environment vllm-mindspore "
+             "is installed in (`make install`, then activate that venv).")
 
 DEFAULT_STATE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "vllm-mindspore", "ray-cluster")
 STATE_FILE = "cluster.json"

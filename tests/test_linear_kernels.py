@@ -2,9 +2,9 @@
 packed-panel matmul) against numpy in float64, for every weight dtype the kernels take: float32,
 float16 (activations float16 too) and bfloat16 (AVX512-BF16: float32 activations rounded to
 bfloat16 at the matmul's input, float32 sums). Shapes cover an odd K, N not a multiple of 32,
-decode-sized blocks (1, 8, 9, 15 rows) and several row chunks (300 rows). bfloat16 weights are
-checked on each kernel the CPU has: vdpbf16ps, widened to float32 for FMAs (x not rounded), and
-AMX tiles."""
+decode-sized blocks (1, 8, 9, 15 rows) and several row chunks (300 rows; AMX 1100). bfloat16
+weights are checked on each kernel the CPU has: vdpbf16ps, widened to float32 for FMAs (x not
+rounded), and AMX tiles."""
 
 import mindspore as ms
 import numpy as np
