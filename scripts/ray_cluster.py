@@ -47,7 +47,7 @@ import sys
 import time
 
 try:
-    from vllm_mindspore.device import device_for
+    from vllm_mindspore.device import ASCEND, CPU, device_for
 except ImportError as error:  # run with another Python than the plugin's environment
     sys.exit(f"ray_cluster.py: {error}. Run it with the Python of the environment vllm-mindspore "
              "is installed in (`make install`, then activate that venv).")
@@ -152,7 +152,7 @@ def report_env(state: dict, env_file: str | None) -> list[str]:
 
 
 def count_devices(device: str, env: dict[str, str], requested: int | None) -> int:
-    if device == "CPU":
+    if device == CPU:
         return requested if requested is not None else 1
     visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
     npus = (len([d for d in visible.split(",") if d.strip()]) if visible is not None
@@ -377,7 +377,7 @@ def start(args, role: str) -> int:
     env, file_vars = load_env_file(args.env_file, dict(os.environ))
     device = device_for(env.get("VLLM_MS_DEVICE", "auto"))  # the node's, from its env file
     devices = count_devices(device, env, args.devices)
-    if device == "Ascend":
+    if device == ASCEND:
         check_pyacl(env)
     if role == "join":
         check_hostname_unique(args.address)

@@ -631,8 +631,11 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   constexpr int64_t per_step = PanelFormat<W>::kPerStep;
   const int64_t steps = (K + per_step - 1) / per_step, depth = kDepth / per_step;
   const Panels panels{packed, steps * per_step * kPanel * static_cast<int64_t>(sizeof(W))};
-  // a: x's rows as the block kernel reads them, lda apart, a_step elements per step of k
-  auto run = [&](const auto *a, int64_t lda, int64_t a_step, int64_t block_rows) {
+  // a: x's rows as the block kernel reads them, lda apart, a_step elements per step of k; blocks
+  // of as many rows as block_n takes for them
+  auto run = [&](const auto *a, int64_t lda, int64_t a_step) {
+    using A = std::remove_cv_t<std::remove_pointer_t<decltype(a)>>;
+    const int64_t block_rows = block_rows_for<W, A>();
     for_each_output_block(gated, M, M, kRowChunk, std::min(M, block_rows), N, bias, y,
                           ldy, parallel, panels,
                    [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
@@ -644,16 +647,16 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   };
   if constexpr (std::is_same_v<W, bf16>) {
     if (widen_bf16()) {
-      if (K % 2 == 0) return run(x, K, 2, kWidenedRows);
+      if (K % 2 == 0) return run(x, K, 2);
       thread_local Buffer<float> even_rows;  // an odd K's rows padded with a zero k
       even_rows.assign(M * (K + 1), 0.0f);
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(&even_rows[m * (K + 1)], x + m * K, K * sizeof(float));
-      return run(even_rows.data(), K + 1, 2, kWidenedRows);
+      return run(even_rows.data(), K + 1, 2);
     }
   }
   thread_local Buffer<uint32_t> step_buffer;
-  run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1, kRows);
+  run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1);
 }
 
 // The same with x's rows already rounded to bfloat16 (the decoder layer's intermediates where
