@@ -117,9 +117,11 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
     arg.shape[0] = T;
     return arg;
   };
-  // The intermediates, reused from call to call (a buffer only grows).
-  thread_local vllm_ms::Buffer<char> normed_buffer, qkv_buffer, qk_buffer, attn_buffer, o_buffer,
-      gated_buffer;
+  // The intermediates, reused from call to call.
+  struct Intermediates {
+    vllm_ms::Buffer<char> normed, qkv, qk, attn, o, gated;
+  };
+  const vllm_ms::Scratch<Intermediates> buffers;
   auto scratch = [&](vllm_ms::Buffer<char> &buffer, std::vector<int64_t> shape,
                      const char *dtype) {
     const size_t bytes = std::strcmp(dtype, "float32") == 0 ? 4 : 2;
@@ -134,12 +136,12 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
                             std::strcmp(dtypes[kQkv], "bfloat16") == 0 &&
                             vllm_ms::amx_takes(T);
   const char *matmul_rows = rounded_rows ? "bfloat16" : act;
-  const Arg normed = scratch(normed_buffer, {T, E}, matmul_rows);
-  const Arg qkv = scratch(qkv_buffer, {T, N}, act);
-  const Arg attn = scratch(attn_buffer, {T, heads, Dv}, matmul_rows);
-  const Arg o = scratch(o_buffer, {T, E}, act);
-  const Arg gated = scratch(gated_buffer, {T, I}, matmul_rows);
-  const Arg qk = present(kQkNorm) ? scratch(qk_buffer, {T, heads + kv_heads, D}, act) : qkv;
+  const Arg normed = scratch(buffers->normed, {T, E}, matmul_rows);
+  const Arg qkv = scratch(buffers->qkv, {T, N}, act);
+  const Arg attn = scratch(buffers->attn, {T, heads, Dv}, matmul_rows);
+  const Arg o = scratch(buffers->o, {T, E}, act);
+  const Arg gated = scratch(buffers->gated, {T, I}, matmul_rows);
+  const Arg qk = present(kQkNorm) ? scratch(buffers->qk, {T, heads + kv_heads, D}, act) : qkv;
 
   // Each step as its own operator would run it; the first kernel that refuses its inputs
   // (status != 0) stops the layer, and MindSpore raises.

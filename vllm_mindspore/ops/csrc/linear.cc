@@ -37,10 +37,13 @@ int run(void **params, int *ndims, int64_t **shapes, bool has_bias, bool gated) 
   const int64_t M = shapes[0][0], K = shapes[0][1];
   const int64_t N = shapes[has_bias ? 3 : 2][1] * (gated ? 2 : 1);
   if (!packed_shape_fits<W>(ndims[1], shapes[1], K, N)) return 1;
-  thread_local Buffer<float> x_buffer, y_buffer;
+  struct Rows {
+    Buffer<float> x, y;
+  };
+  const Scratch<Rows> buffers;
   auto rows_of_x = [&] {  // as the matmul takes them: float32, or bfloat16 over bfloat16 W
     if constexpr (std::is_same_v<X, bf16>) return x;
-    else return as_float(x, M * K, x_buffer);
+    else return as_float(x, M * K, buffers->x);
   };
   // silu(gate) * up in the matmul's blocks where the gate/up boundary is a panel boundary
   const bool fused = gated && (N / 2) % kPanel == 0;
@@ -51,12 +54,12 @@ int run(void **params, int *ndims, int64_t **shapes, bool has_bias, bool gated) 
       return 0;
     }
   }
-  y_buffer.resize(M * columns);
-  matmul(rows_of_x(), M, K, packed, bias, N, y_buffer.data(), columns, true, fused);
+  buffers->y.resize(M * columns);
+  matmul(rows_of_x(), M, K, packed, bias, N, buffers->y.data(), columns, true, fused);
   if (gated && !fused) {
-    silu_and_mul(y_buffer.data(), M, N / 2, out);
+    silu_and_mul(buffers->y.data(), M, N / 2, out);
   } else {
-    convert(y_buffer.data(), out, M * columns);
+    convert(buffers->y.data(), out, M * columns);
   }
   return 0;
 }

@@ -239,9 +239,15 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
     return 1;
   const float *bias = colp_rows > 1 ? colp + N : nullptr;
 
-  thread_local Buffer<int8_t> q;
-  thread_local Buffer<uint8_t> u;
-  thread_local Buffer<float> token_scale, y;
+  struct Rows {
+    Buffer<int8_t> q;
+    Buffer<uint8_t> u;
+    Buffer<float> token_scale, y;
+  };
+  const Scratch<Rows> buffers;
+  Buffer<int8_t> &q = buffers->q;
+  Buffer<uint8_t> &u = buffers->u;
+  Buffer<float> &token_scale = buffers->token_scale, &y = buffers->y;
   q.resize(K);
   u.resize(M * K4 * 4);
   token_scale.resize(M);
@@ -252,7 +258,6 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
       quantize_static_row(x + m * K, K, act, act + K, q.data());
     to_unsigned(q.data(), K, K4, u.data() + m * K4 * 4);
   }
-  // (the pool's threads see their own thread_local vectors: the lambda takes the pointer)
   const float *scale_of_row = token_scale.data();
   auto dequant = [&](int64_t i, int64_t rows, int64_t n0, int64_t columns, const int32_t *acc,
                      float *c, int64_t ldc) {
