@@ -238,7 +238,13 @@ class MindSporeModelRunner:
 
         if get_world_group().world_size > 1:
             torch.distributed.barrier(group=get_world_group().cpu_group)
-        self._logits(self._forward([self._dummy_call(token_sizes[0])]), np.zeros(1, np.int64))
+        # Static sizes: a step of real tokens as large as a step gets, so that MindSpore's memory
+        # for the graphs' intermediates and the kernels' scratch are allocated and first touched
+        # here, not in the first requests' steps (vLLM's runners warm up with a batch of
+        # max_num_batched_tokens too). A call of padding computes nothing (`skips_padding`).
+        warm_up_call = (self._largest_call() if self.sizes.static
+                        else self._dummy_call(token_sizes[0]))
+        self._logits(self._forward([warm_up_call]), np.zeros(1, np.int64))
         self.num_graphs = self.backend.num_compiled_graphs()
         logger.info("Compiled %d decoder graph(s) (tokens %s), %d logits graph(s) and %d decode "
                     "graph(s) in %.1f s: %d graphs in all", len(token_sizes),
@@ -246,6 +252,21 @@ class MindSporeModelRunner:
                     len(self.sizes.rows) if self.sizes.static else 1,
                     len(self.sizes.decode_tokens), compiled, self.num_graphs)
         return time.perf_counter() - start
+
+    def _largest_call(self) -> GraphCall:
+        """The most tokens a step holds (max_num_batched_tokens, as far as the request rows'
+        max_model_len each take them), as prompts of token 0 that attend to the block table's
+        unused rows (the null block) and are written nowhere."""
+        rows = self.input_batch.block_table[0].get_numpy_array().shape[0]
+        per_row = self.model_config.max_model_len
+        tokens = min(self.scheduler_config.max_num_batched_tokens, rows * per_row)
+        counts = np.array([min(per_row, tokens - start) for start in range(0, tokens, per_row)],
+                          np.int32)
+        positions = np.concatenate([np.arange(count, dtype=np.int32) for count in counts])
+        call = self._graph_call(np.zeros(tokens, np.int32), positions, counts,
+                                np.zeros(len(counts), np.int32), self.sizes.padded_tokens(tokens))
+        nowhere = np.full_like(call.attn_metadata.slot_mapping, -1)
+        return call._replace(attn_metadata=call.attn_metadata._replace(slot_mapping=nowhere))
 
     def _dummy_call(self, num_tokens: int) -> GraphCall:
         """A call of padding tokens only (written nowhere, attending to nothing)."""
