@@ -255,8 +255,9 @@ class MindSporeModelRunner:
 
     def _largest_call(self) -> GraphCall:
         """The most tokens a step holds (max_num_batched_tokens, as far as the request rows'
-        max_model_len each take them), as prompts of token 0 that attend to the block table's
-        unused rows (the null block) and are written nowhere."""
+        max_model_len each take them), as prompts of token 0 written nowhere. They attend to
+        block 0, which every row of the still empty block table names: vLLM's null block,
+        never handed to a request."""
         rows = self.input_batch.block_table[0].get_numpy_array().shape[0]
         per_row = self.model_config.max_model_len
         tokens = min(self.scheduler_config.max_num_batched_tokens, rows * per_row)
