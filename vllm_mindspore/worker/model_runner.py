@@ -217,7 +217,7 @@ class MindSporeModelRunner:
     def warm_up(self) -> float:
         """Compile every graph the steps will use: the decoder for each token count, the
         logits head for each row count and the decoder with the head for each decode step's
-        token count (static sizes), or once each (dynamic)."""
+        token count (static sizes), or once each (dynamic); then run one step."""
         start = time.perf_counter()
         token_sizes = self.sizes.tokens if self.sizes.static else [4]
         with frozen_heap():

@@ -45,11 +45,12 @@ struct LineAligned {
 template <typename T>
 using Buffer = std::vector<T, LineAligned<T>>;
 
-// An operator's scratch memory (a struct of Buffers, which only grow), one set for each call in
-// flight, kept from call to call. MindSpore runs a graph's kernels on the Python thread or on one
-// of its actor threads, a new one now and then: thread_local buffers were allocated, and their
-// pages first touched, once per thread (the decoder layer's, 80 MB at 8192 bfloat16 tokens: the
-// offline benchmark's first two 8192-token steps 0.71 and 0.60 s, later ones 0.39 s).
+// Scratch memory of a kernel's calling thread (a Buffer, or a struct of them; they only grow), one
+// set for each call in flight, kept from call to call. MindSpore runs a graph's kernels on the
+// Python thread or on one of its actor threads, a new one now and then: thread_local buffers were
+// allocated, and their pages first touched, once per thread (the decoder layer's, 80 MB at 8192
+// bfloat16 tokens: the offline benchmark's first two 8192-token steps 0.71 and 0.60 s, later ones
+// 0.39 s).
 template <typename T>
 class Scratch {
  public:
@@ -69,6 +70,7 @@ class Scratch {
   Scratch(const Scratch &) = delete;
   Scratch &operator=(const Scratch &) = delete;
   T *operator->() const { return held_.get(); }
+  T &operator*() const { return *held_; }
 
  private:
   static std::mutex &mutex() {

@@ -622,8 +622,8 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   if constexpr (std::is_same_v<W, bf16>) {
     if (amx_takes(M)) {
       const int64_t steps = (K + 1) / 2, padded_rows = (M + 15) / 16 * 16;
-      thread_local Buffer<uint32_t> step_buffer;
-      const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, step_buffer, parallel);
+      const Scratch<Buffer<uint32_t>> step_buffer;
+      const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, *step_buffer, parallel);
       return matmul_amx(a, padded_rows, M, steps, packed, bias, N, y, ldy, parallel, gated);
     }
   }
@@ -648,15 +648,15 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   if constexpr (std::is_same_v<W, bf16>) {
     if (widen_bf16()) {
       if (K % 2 == 0) return run(x, K, 2);
-      thread_local Buffer<float> even_rows;  // an odd K's rows padded with a zero k
-      even_rows.assign(M * (K + 1), 0.0f);
+      const Scratch<Buffer<float>> even_rows;  // an odd K's rows padded with a zero k
+      even_rows->assign(M * (K + 1), 0.0f);
       for (int64_t m = 0; m < M; ++m)
-        std::memcpy(&even_rows[m * (K + 1)], x + m * K, K * sizeof(float));
-      return run(even_rows.data(), K + 1, 2);
+        std::memcpy(even_rows->data() + m * (K + 1), x + m * K, K * sizeof(float));
+      return run(even_rows->data(), K + 1, 2);
     }
   }
-  thread_local Buffer<uint32_t> step_buffer;
-  run(as_steps<W>(x, M, K, steps, M, step_buffer, parallel), steps, 1);
+  const Scratch<Buffer<uint32_t>> step_buffer;
+  run(as_steps<W>(x, M, K, steps, M, *step_buffer, parallel), steps, 1);
 }
 
 // The same with x's rows already rounded to bfloat16 (the decoder layer's intermediates where
@@ -671,8 +671,8 @@ void matmul(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, const B *bi
                       ldy, parallel, gated);
   }
 #endif
-  thread_local Buffer<float> widened;
-  matmul(as_float(x, M * K, widened), M, K, packed, bias, N, y, ldy, parallel, gated);
+  const Scratch<Buffer<float>> widened;
+  matmul(as_float(x, M * K, *widened), M, K, packed, bias, N, y, ldy, parallel, gated);
 }
 
 // silu(gate) * up, gate|up the two halves of each row of y [M, 2I] -> out [M, I], a vector at
