@@ -226,6 +226,8 @@ struct Lookahead {
       next_pair += 64;
     }
   }
+  // Lines not yet asked for.
+  int64_t lines() const { return ((end - next) + (end_pair - next_pair)) / 64; }
   // The rest at once (a loop shorter than its share), and none left.
   void flush() {
     if (next < end) prefetch(next, end - next);
