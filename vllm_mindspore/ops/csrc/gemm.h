@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -580,10 +581,11 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
   const Panels panels{packed, steps * 2 * kPanel * static_cast<int64_t>(sizeof(bf16))};
   // Blocks start at multiples of 32 rows (for_each_block's chunks are whole blocks).
   const int64_t tail_start = a_rows < padded_rows ? (a_rows - 1) / 32 * 32 : padded_rows;
-  const Scratch<Buffer<uint32_t>> tail;
+  std::optional<Scratch<Buffer<uint32_t>>> tail;  // taken only where there is a tail
   if (tail_start < padded_rows) {
-    tail->assign((padded_rows - tail_start) * steps, 0u);
-    std::copy(a + tail_start * steps, a + a_rows * steps, tail->begin());
+    tail.emplace();
+    (*tail)->assign((padded_rows - tail_start) * steps, 0u);
+    std::copy(a + tail_start * steps, a + a_rows * steps, (*tail)->begin());
   }
   // A float32 bias goes into the tiles (amx_block) where they run, zero-padded to whole panels
   // (a tile reads 32 columns); else finish_rows adds it.
@@ -603,7 +605,7 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
                                 int64_t ldc) {
     const bf16 *panel = panels.panel<bf16>(p);
     if (tiled > 0) {
-      const uint32_t *rows_of_a = i == tail_start ? tail->data() : a + i * steps;
+      const uint32_t *rows_of_a = i == tail_start ? (*tail)->data() : a + i * steps;
       const float *panel_bias = tile_bias != nullptr ? tile_bias + p * kPanel : nullptr;
       if (block == 32)
         amx_block<2>(rows_of_a, steps, panel, tiled, c, ldc, panel_bias);
