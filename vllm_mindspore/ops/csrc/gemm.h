@@ -381,12 +381,17 @@ struct Panels {
   const void *base;
   int64_t bytes, paired = 0;
 
-  // Share `part` of `parts` of panel p's bytes (and of its pair's), as lines to ask for.
-  Lookahead part(int64_t p, int64_t part, int64_t parts) const {
+  // Share `part` of `parts` of panel p's bytes (and of its pair's) -> the lines `share` is to
+  // ask for. Written field by field: a Lookahead returned by value was stored in parts and read
+  // back whole, a read that could not take the stored values and waited for every older store
+  // to reach the cache, the block's tile stores included (a 7-prompt wave's q|k|v 550 -> 480
+  // us a layer, o 383 -> 350; its for_each_block lines 5.3% -> 1.3% of the step's samples).
+  void part(int64_t p, int64_t part, int64_t parts, Lookahead &share) const {
     const int64_t from = bytes * part / parts / 64 * 64, to = bytes * (part + 1) / parts;
-    Lookahead share{at(p) + from, at(p) + to};
-    if (paired != 0) share.next_pair = at(p + paired) + from, share.end_pair = at(p + paired) + to;
-    return share;
+    share.next = at(p) + from;
+    share.end = at(p) + to;
+    share.next_pair = paired != 0 ? at(p + paired) + from : nullptr;
+    share.end_pair = paired != 0 ? at(p + paired) + to : nullptr;
   }
 
   const char *at(int64_t p) const { return static_cast<const char *>(base) + p * bytes; }
@@ -442,10 +447,14 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
     const int64_t blocks = (end - begin + block_rows - 1) / block_rows;
     for (int64_t i = begin; i < end; i += block_rows) {
       if (next_panel >= 0 && blocks <= burst_blocks) {
-        if (i == begin) weights.part(next_panel, 0, 1).flush();  // a decode's item
+        if (i == begin) {  // a decode's item
+          Lookahead whole_panel;
+          weights.part(next_panel, 0, 1, whole_panel);
+          whole_panel.flush();
+        }
       } else if (next_panel >= 0) {
         lookahead().flush();  // what the previous block did not ask for
-        lookahead() = weights.part(next_panel, (i - begin) / block_rows, blocks);
+        weights.part(next_panel, (i - begin) / block_rows, blocks, lookahead());
       }
       const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
       Y *out = y + i * ldy + p * kPanel;
@@ -483,7 +492,6 @@ constexpr int64_t kTilePairs = 16;      // pairs of k (32 k) per tile step
 // thread's weights from L3 or memory twice as often: a wave of 7 x 128-token prefills 48.9-53.5 ->
 // 46.0-48.2 ms (medians of 20, alternated three times); standalone 896 and 8192 rows 5-8% faster.
 constexpr int64_t kAmxRowChunk = 512;
-constexpr int64_t kTilePrefetch = 2;    // tile steps the prefetches run ahead of the loads
 // Items of up to this many blocks (a decode's 33-64 rows) ask for the next panel at their start;
 // larger ones spread it over their blocks' tile steps. Against the whole share at each block's
 // start (standalone, 8 layers' four matmuls, medians of three alternated): 64 rows 308 -> 268 us,
@@ -505,9 +513,13 @@ inline void configure_tiles() {
 
 // c[0:16 T, 0:32] = (bias[0:32] +) a[0:16 T, 0:pairs] . panel[0:pairs, 32, 2], pairs a multiple
 // of kTilePairs; a's rows lda pairs apart, c's rows ldc floats apart. Each tile step asks for an
-// even part of this thread's Lookahead (the next panel's lines). The bias is the sums'
-// starting value (a tile load of row stride 0): added to c after the tiles' stores, its loads
-// waited for those stores (the model's 128-row q|k|v projection 183 -> 153 us).
+// even part of this thread's Lookahead (the next panel's lines), and for no line of its own: x's
+// chunk is in L2 and the panel arrives by the Lookahead, and asking for the x rows' and the
+// panel's lines two steps ahead (64 prefetches a step, most of them L1 hits) took the tile
+// loads' slots (standalone, 8 layers' four matmuls: 128 rows 499 -> 413 us a layer, 896 rows
+// 2958 -> 2504; 16-64 rows unchanged or faster). The bias is the sums' starting value (a tile
+// load of row stride 0): added to c after the tiles' stores, its loads waited for those stores
+// (the model's 128-row q|k|v projection 183 -> 153 us).
 template <int T>
 void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs, float *c,
                int64_t ldc, const float *bias) {
@@ -532,16 +544,6 @@ void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs,
   for (int64_t p = 0; p < pairs; p += kTilePairs) {
     for (int64_t ask = 0; ask < asks_per_step; ++ask) ahead.ask();
     const bf16 *b = panel + p * 2 * kPanel;
-    if (p + kTilePrefetch * kTilePairs < pairs) {
-      // Tile loads do not train the hardware prefetchers: ask for the x rows' line and the
-      // panel's 2 KB kTilePrefetch steps ahead (+15-33% on the model's shapes, standalone).
-      const int64_t ahead = kTilePrefetch * kTilePairs;
-      for (int r = 0; r < 16 * T; ++r)
-        _mm_prefetch(reinterpret_cast<const char *>(a + r * lda + p + ahead), _MM_HINT_T0);
-      const char *next = reinterpret_cast<const char *>(b + ahead * 2 * kPanel);
-      for (int line = 0; line < kTilePairs * 2 * kPanel * 2 / 64; ++line)
-        _mm_prefetch(next + line * 64, _MM_HINT_T0);
-    }
     _tile_loadd(6, b, 2 * kPanel * sizeof(bf16));
     _tile_loadd(7, b + kPanel, 2 * kPanel * sizeof(bf16));
     _tile_loadd(4, a + p, lda * sizeof(uint32_t));
