@@ -356,27 +356,21 @@ void finish_rows(const Accumulator<Y> *c, int64_t ldc, int64_t rows, Y *out, int
 inline lanes silu_times(lanes g, lanes u) { return g / (1.0f + fast_exp(-g)) * u; }
 inline float silu_times(float g, float u) { return g / (1.0f + fast_exp(-g)) * u; }
 
-// A block of the fused gate|up projection's output from the block computer of its weights
-// (gate panels, then up panels from `up_panels` on): silu(gate block) * up block, both computed
-// into L1, so the float32 gate|up rows are never written (92 MB for an 8192-token prefill of a
-// 1408-wide MLP, then read again by a separate silu * up pass).
-template <typename Compute>
-auto silu_and_mul_blocks(const Compute &compute, int64_t up_panels) {
-  return [&compute, up_panels](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
-                               int64_t ldc) {
-    alignas(64) float gate[32 * kPanel], up[32 * kPanel];
-    compute(i, block, rows, p, gate, kPanel);
-    compute(i, block, rows, p + up_panels, up, kPanel);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int j = 0; j < kPanel; j += kLanes)
-        store_lanes(c + r * ldc + j,
-                    silu_times(load_lanes(gate + r * kPanel + j), load_lanes(up + r * kPanel + j)));
-    }
-  };
+// Rows [0, rows) of one panel of the fused gate|up projection's output (`out`, row stride ldy)
+// = silu(gate) * up, from the block `c` that holds the gate's 32 columns and then the up's, so
+// the float32 gate|up rows are never written (92 MB for an 8192-token prefill of a 1408-wide MLP,
+// then read again by a separate silu * up pass).
+template <typename Y>
+void silu_rows(const float *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int j = 0; j < kPanel; j += kLanes)
+      store_lanes(out + r * ldy + j,
+                  silu_times(load_lanes(c + r * ldc + j), load_lanes(c + r * ldc + kPanel + j)));
+  }
 }
 
 // Where the packed weights' panels lie: panel p at base + p * bytes; `paired`: panel
-// p + paired is read with it (the up panel of a gate panel).
+// p + paired is read with it (the up panel of a gate panel: y = silu(gate) * up).
 struct Panels {
   const void *base;
   int64_t bytes, paired = 0;
@@ -402,7 +396,11 @@ struct Panels {
 // y [M, N] (row stride ldy) computed in blocks of `block_rows` rows x one panel: compute(i, block,
 // rows, p, c, ldc) writes rows [i, i + block) of panel p to c (rows >= M, up to `padded_rows`,
 // are padding), which is y itself where the block is whole (no padding rows, 32 columns) and a
-// scratch tile otherwise; finish_rows then copies and adds the bias. Rows are taken in chunks of
+// scratch block otherwise; finish_rows then copies and adds the bias. With paired panels (gate|up)
+// y is silu(gate) * up, of N gate columns: the scratch block gets the gate's product and the
+// up's, and silu_rows writes y. A block is finished after the next block's products: read right
+// after the tiles stored it, its loads waited for those stores (the silu's gate|up loads were
+// 30% of its samples in a prefill step). Rows are taken in chunks of
 // about `chunk_target`, each chunk against every panel, so a chunk of x stays in the core's L2
 // while the weights stream past it (a prefill step's x, megabytes, would otherwise be read from
 // memory once per panel). The (chunk, panel) items go one at a time to whichever thread is free:
@@ -442,7 +440,20 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
     const int64_t next_p = next >= 0 ? chunk_and_panel(next).second : -1;
     const int64_t next_panel = next_p != p ? next_p : -1;
     using Acc = Accumulator<Y>;
-    alignas(64) Acc tile[32 * kPanel];
+    const bool gated = weights.paired != 0;
+    const int64_t width = gated ? 2 * kPanel : kPanel;  // of a scratch block
+    alignas(64) Acc scratch[2][32 * 2 * kPanel];        // this block's and the previous one's
+    struct Block {
+      const Acc *c = nullptr;
+      int64_t ldc = 0, rows = 0;
+      Y *out = nullptr;
+    } waiting;  // computed, not yet finished
+    auto finish = [&](const Block &b) {
+      if constexpr (std::is_same_v<Acc, float>) {
+        if (gated) return silu_rows(b.c, b.ldc, b.rows, b.out, ldy);
+      }
+      finish_rows(b.c, b.ldc, b.rows, b.out, ldy, columns, bias ? bias + p * kPanel : nullptr);
+    };
     const int64_t begin = chunk * chunk_rows, end = std::min(padded_rows, begin + chunk_rows);
     const int64_t blocks = (end - begin + block_rows - 1) / block_rows;
     for (int64_t i = begin; i < end; i += block_rows) {
@@ -458,12 +469,15 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
       }
       const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
       Y *out = y + i * ldy + p * kPanel;
-      const bool direct = std::is_same_v<Acc, Y> && columns == kPanel && rows == block;
-      Acc *c = direct ? reinterpret_cast<Acc *>(out) : tile;
-      const int64_t ldc = direct ? ldy : kPanel;
+      const bool direct = !gated && std::is_same_v<Acc, Y> && columns == kPanel && rows == block;
+      Acc *c = direct ? reinterpret_cast<Acc *>(out) : scratch[(i - begin) / block_rows % 2];
+      const int64_t ldc = direct ? ldy : width;
       compute(i, block, rows, p, c, ldc);
-      finish_rows(c, ldc, rows, out, ldy, columns, bias ? bias + p * kPanel : nullptr);
+      if (gated) compute(i, block, rows, p + weights.paired, c + kPanel, ldc);
+      if (waiting.c != nullptr) finish(waiting);
+      waiting = {c, ldc, rows, out};
     }
+    finish(waiting);
     if (blocks > burst_blocks) lookahead().flush();
   }, parallel);
 }
@@ -475,15 +489,9 @@ void for_each_output_block(bool gated, int64_t M, int64_t padded_rows, int64_t c
                            int64_t block_rows, int64_t N, const B *bias, Y *y, int64_t ldy,
                            bool parallel, Panels weights, const Compute &compute,
                            int64_t burst_blocks = 1) {
-  if (gated) {
-    weights.paired = N / 2 / kPanel;
-    for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, N / 2, bias, y, ldy,
-                                parallel, weights, silu_and_mul_blocks(compute, weights.paired),
-                                burst_blocks);
-  } else {
-    for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, N, bias, y, ldy,
-                                parallel, weights, compute, burst_blocks);
-  }
+  if (gated) weights.paired = N / 2 / kPanel;
+  for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, gated ? N / 2 : N, bias,
+                              y, ldy, parallel, weights, compute, burst_blocks);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
