@@ -30,7 +30,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -301,28 +300,22 @@ inline bool widen_bf16() {
 }
 
 // The rows of x as the panels of W read them: x itself, or (bfloat16 W) each row rounded to
-// bfloat16 in pairs of k, zero-padded to `steps` pairs, and zero rows from M to `padded_rows`
-// (whole AMX tiles). Converted on the threads for a prefill's megabytes only (a decode's rows
-// take microseconds, less than waking the other thread).
+// bfloat16 in pairs of k, zero-padded to `steps` pairs. Converted on the threads for a prefill's
+// megabytes only (a decode's rows take microseconds, less than waking the other thread).
 template <typename W>
 const typename PanelFormat<W>::Step *as_steps(const float *x, int64_t M, int64_t K, int64_t steps,
-                                              int64_t padded_rows, Buffer<uint32_t> &buffer,
-                                              bool parallel) {
+                                              Buffer<uint32_t> &buffer, bool parallel) {
   if constexpr (std::is_same_v<W, bf16>) {
-    buffer.resize(padded_rows * steps);
+    buffer.resize(M * steps);
     uint32_t *a = buffer.data();
-    parallel_for(padded_rows, [&](int64_t m) {
+    parallel_for(M, [&](int64_t m) {
       bf16 *row = reinterpret_cast<bf16 *>(a + m * steps);
-      if (m < M) {
-        convert(x + m * K, row, K);
-        if (K % 2) row[K] = bf16{0};
-      } else {
-        std::fill(a + m * steps, a + (m + 1) * steps, 0u);
-      }
+      convert(x + m * K, row, K);
+      if (K % 2) row[K] = bf16{0};
     }, parallel && M * K >= 16 * kParallelElements);
     return a;
   } else {
-    return x;  // padded_rows == M: float panels take any number of rows
+    return x;
   }
 }
 
@@ -393,31 +386,30 @@ struct Panels {
   const W *panel(int64_t p) const { return reinterpret_cast<const W *>(at(p)); }
 };
 
-// y [M, N] (row stride ldy) computed in blocks of `block_rows` rows x one panel: compute(i, block,
-// rows, p, c, ldc) writes rows [i, i + block) of panel p to c (rows >= M, up to `padded_rows`,
-// are padding), which is y itself where the block is whole (no padding rows, 32 columns) and a
-// scratch block otherwise; finish_rows then copies and adds the bias. With paired panels (gate|up)
-// y is silu(gate) * up, of N gate columns: the scratch block gets the gate's product and the
-// up's, and silu_rows writes y. A block is finished after the next block's products: read right
-// after the tiles stored it, its loads waited for those stores (the silu's gate|up loads were
-// 30% of its samples in a prefill step). Rows are taken in chunks of
+// y [M, N] (row stride ldy) computed in blocks of `block_rows` rows (the last one the rest) x one
+// panel: compute(i, rows, p, c, ldc) writes rows [i, i + rows) of panel p to c, which is y itself
+// where the panel is whole (32 columns) and a scratch block otherwise; finish_rows then copies and
+// adds the bias. With paired panels (gate|up) y is silu(gate) * up, of N gate columns: the scratch
+// block gets the gate's product and the up's, and silu_rows writes y. A block is finished after the
+// next block's products: read right after the tiles stored it, its loads waited for those stores
+// (the silu's gate|up loads were 30% of its samples in a prefill step). Rows are taken in chunks of
 // about `chunk_target`, each chunk against every panel, so a chunk of x stays in the core's L2
 // while the weights stream past it (a prefill step's x, megabytes, would otherwise be read from
-// memory once per panel). The (chunk, panel) items go one at a time to whichever thread is free:
-// a contiguous split gave one thread the short last chunk (128 rows: 96 against 32, the step a
-// third slower). Each block of an item asks for its share of the panel of the thread's next
-// item (a panel is a new stream of tens of kilobytes the hardware prefetchers reach only after
-// its first misses, at each 4 KB page), line by line as it computes (Lookahead), or all of the
-// panel at the item's start where the item has at most `burst_blocks` blocks. `parallel` off: the
-// caller already runs one matmul per thread.
+// memory once per panel). The (chunk, panel) items go one at a time to whichever thread is free: a
+// contiguous split gave one thread the short last chunk (128 rows: 96 against 32, the step a third
+// slower). Each block of an item asks for its share of the panel of the thread's next item (a panel
+// is a new stream of tens of kilobytes the hardware prefetchers reach only after its first misses,
+// at each 4 KB page), line by line as it computes (Lookahead), or all of the panel at the item's
+// start where the item has at most `burst_blocks` blocks. `parallel` off: the caller already runs
+// one matmul per thread.
 template <typename ThreadState = NoThreadState, typename Y, typename B, typename Compute>
-void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_t block_rows,
-                    int64_t N, const B *bias, Y *y, int64_t ldy, bool parallel,
-                    const Panels &weights, const Compute &compute, int64_t burst_blocks = 1) {
+void for_each_block(int64_t M, int64_t chunk_target, int64_t block_rows, int64_t N, const B *bias,
+                    Y *y, int64_t ldy, bool parallel, const Panels &weights,
+                    const Compute &compute, int64_t burst_blocks = 1) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t chunks = (padded_rows + chunk_target - 1) / chunk_target;
+  const int64_t chunks = (M + chunk_target - 1) / chunk_target;
   // Equal chunks of whole blocks rather than full ones and a short remainder.
-  const int64_t chunk_rows = ((padded_rows + chunks - 1) / chunks + block_rows - 1) / block_rows *
+  const int64_t chunk_rows = ((M + chunks - 1) / chunks + block_rows - 1) / block_rows *
                              block_rows;
   // With several chunks, each thread its own range of panels first (chunk by chunk), so that a
   // core's L2 holds its share of the weights and a chunk of x rather than all of the weights
@@ -454,7 +446,7 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
       }
       finish_rows(b.c, b.ldc, b.rows, b.out, ldy, columns, bias ? bias + p * kPanel : nullptr);
     };
-    const int64_t begin = chunk * chunk_rows, end = std::min(padded_rows, begin + chunk_rows);
+    const int64_t begin = chunk * chunk_rows, end = std::min(M, begin + chunk_rows);
     const int64_t blocks = (end - begin + block_rows - 1) / block_rows;
     for (int64_t i = begin; i < end; i += block_rows) {
       if (next_panel >= 0 && blocks <= burst_blocks) {
@@ -467,13 +459,13 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
         lookahead().flush();  // what the previous block did not ask for
         weights.part(next_panel, (i - begin) / block_rows, blocks, lookahead());
       }
-      const int64_t block = std::min(block_rows, end - i), rows = std::min(block, M - i);
+      const int64_t rows = std::min(block_rows, end - i);
       Y *out = y + i * ldy + p * kPanel;
-      const bool direct = !gated && std::is_same_v<Acc, Y> && columns == kPanel && rows == block;
+      const bool direct = !gated && std::is_same_v<Acc, Y> && columns == kPanel;
       Acc *c = direct ? reinterpret_cast<Acc *>(out) : scratch[(i - begin) / block_rows % 2];
       const int64_t ldc = direct ? ldy : width;
-      compute(i, block, rows, p, c, ldc);
-      if (gated) compute(i, block, rows, p + weights.paired, c + kPanel, ldc);
+      compute(i, rows, p, c, ldc);
+      if (gated) compute(i, rows, p + weights.paired, c + kPanel, ldc);
       if (waiting.c != nullptr) finish(waiting);
       waiting = {c, ldc, rows, out};
     }
@@ -485,13 +477,12 @@ void for_each_block(int64_t M, int64_t padded_rows, int64_t chunk_target, int64_
 // for_each_block over W's panels, or (`gated`: W a gate|up projection, N = 2I, I a multiple of
 // 32) over y [M, I] = silu(gate) * up.
 template <typename ThreadState = NoThreadState, typename B, typename Y, typename Compute>
-void for_each_output_block(bool gated, int64_t M, int64_t padded_rows, int64_t chunk_target,
-                           int64_t block_rows, int64_t N, const B *bias, Y *y, int64_t ldy,
-                           bool parallel, Panels weights, const Compute &compute,
-                           int64_t burst_blocks = 1) {
+void for_each_output_block(bool gated, int64_t M, int64_t chunk_target, int64_t block_rows,
+                           int64_t N, const B *bias, Y *y, int64_t ldy, bool parallel,
+                           Panels weights, const Compute &compute, int64_t burst_blocks = 1) {
   if (gated) weights.paired = N / 2 / kPanel;
-  for_each_block<ThreadState>(M, padded_rows, chunk_target, block_rows, gated ? N / 2 : N, bias,
-                              y, ldy, parallel, weights, compute, burst_blocks);
+  for_each_block<ThreadState>(M, chunk_target, block_rows, gated ? N / 2 : N, bias, y, ldy,
+                              parallel, weights, compute, burst_blocks);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -507,16 +498,31 @@ constexpr int64_t kAmxRowChunk = 512;
 constexpr int64_t kAmxBurstBlocks = 2;
 
 // Tiles 0-3: c, rows 0-15 | 16-31 x columns 0-15 | 16-31; 4-5: 16 rows of x each; 6-7: the
-// panel's columns 0-15 | 16-31. Every tile 16 rows of 64 bytes (16 float32, 32 bfloat16 or
-// 16 columns' pairs). The configuration is each thread's own.
-inline void configure_tiles() {
+// panel's columns 0-15 | 16-31. Every tile has rows of 64 bytes (16 float32, 32 bfloat16 or 16
+// columns' pairs), 16 of them, or for a block of `block_rows` rows (1-32) tiles 0, 1 and 4 the
+// block's first 16 rows or fewer and 2, 3 and 5 the rest. The configuration is each thread's own,
+// loaded where it changes.
+inline int64_t &configured_rows() {
+  thread_local int64_t rows = 0;  // none
+  return rows;
+}
+
+inline void configure_tiles(int64_t block_rows = 32) {
+  if (configured_rows() == block_rows) return;
   struct {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t bytes_per_row[16] = {};
     uint8_t rows[16] = {};
   } config;
+  const int64_t top = std::min<int64_t>(block_rows, 16), bottom = block_rows - top;
   for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  for (int t : {0, 1, 4}) config.rows[t] = static_cast<uint8_t>(top);
+  for (int t : {2, 3, 5}) {
+    config.rows[t] = static_cast<uint8_t>(bottom);
+    config.bytes_per_row[t] = bottom > 0 ? 64 : 0;  // none: unconfigured
+  }
   _tile_loadconfig(&config);
+  configured_rows() = block_rows;
 }
 
 // c[0:16 T, 0:32] = (bias[0:32] +) a[0:16 T, 0:pairs] . panel[0:pairs, 32, 2], pairs a multiple
@@ -575,28 +581,23 @@ void amx_block(const uint32_t *a, int64_t lda, const bf16 *panel, int64_t pairs,
 // A thread's tile configuration, for as long as it computes blocks.
 struct TileState {
   TileState() { configure_tiles(); }
-  ~TileState() { _tile_release(); }
+  ~TileState() {
+    _tile_release();
+    configured_rows() = 0;
+  }
 };
 
-// matmul (below) with bfloat16 panels on AMX over x's rows as bfloat16 pairs of k (a [M, steps],
-// of which the first a_rows rows are there): blocks of 32 (the last 16) rows x one panel, the k
-// past the last whole tile step (K not a multiple of 32) by the vdpbf16ps blocks. The block that
-// holds row a_rows - 1 reads a zero-padded copy of its rows, made once a call (made by each
-// panel's item, it made decodes of 8 and 12 rows 13-19% slower than 16, standalone).
+// matmul (below) with bfloat16 panels on AMX over x's rows as bfloat16 pairs of k (a [M, steps]):
+// blocks of 32 rows (the last one the rest) x one panel, the k past the last whole tile step (K
+// not a multiple of 32) by the vdpbf16ps blocks. A last block short of 32 and 16 rows has tiles
+// of its own rows (configure_tiles), so that they read no row past x's and store into y itself:
+// padded to whole tiles, with a zero-padded copy of its rows and its sums stored to a scratch
+// block and copied, decodes of 15 and 17-31 rows took 10-15% longer than 16 and 32 (standalone).
 template <typename B, typename Y>
-void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, const bf16 *packed,
-                const B *bias, int64_t N, Y *y, int64_t ldy, bool parallel, bool gated) {
+void matmul_amx(const uint32_t *a, int64_t M, int64_t steps, const bf16 *packed, const B *bias,
+                int64_t N, Y *y, int64_t ldy, bool parallel, bool gated) {
   const int64_t tiled = steps / kTilePairs * kTilePairs;
-  const int64_t padded_rows = (M + 15) / 16 * 16;
   const Panels panels{packed, steps * 2 * kPanel * static_cast<int64_t>(sizeof(bf16))};
-  // Blocks start at multiples of 32 rows (for_each_block's chunks are whole blocks).
-  const int64_t tail_start = a_rows < padded_rows ? (a_rows - 1) / 32 * 32 : padded_rows;
-  std::optional<Scratch<Buffer<uint32_t>>> tail;  // taken only where there is a tail
-  if (tail_start < padded_rows) {
-    tail.emplace();
-    (*tail)->assign((padded_rows - tail_start) * steps, 0u);
-    std::copy(a + tail_start * steps, a + a_rows * steps, (*tail)->begin());
-  }
   // A float32 bias goes into the tiles (amx_block) where they run, zero-padded to whole panels
   // (a tile reads 32 columns); else finish_rows adds it.
   const float *tile_bias = nullptr;
@@ -609,18 +610,17 @@ void matmul_amx(const uint32_t *a, int64_t a_rows, int64_t M, int64_t steps, con
     }
   }
   const B *rows_bias = tile_bias != nullptr ? nullptr : bias;
-  for_each_output_block<TileState>(gated, M, padded_rows, kAmxRowChunk, 32, N, rows_bias, y, ldy,
-                                   parallel, panels,
-                            [&](int64_t i, int64_t block, int64_t rows, int64_t p, float *c,
-                                int64_t ldc) {
+  for_each_output_block<TileState>(gated, M, kAmxRowChunk, 32, N, rows_bias, y, ldy, parallel,
+                                   panels,
+                            [&](int64_t i, int64_t rows, int64_t p, float *c, int64_t ldc) {
     const bf16 *panel = panels.panel<bf16>(p);
     if (tiled > 0) {
-      const uint32_t *rows_of_a = i == tail_start ? (*tail)->data() : a + i * steps;
       const float *panel_bias = tile_bias != nullptr ? tile_bias + p * kPanel : nullptr;
-      if (block == 32)
-        amx_block<2>(rows_of_a, steps, panel, tiled, c, ldc, panel_bias);
+      configure_tiles(rows == 16 ? 32 : rows);  // 16 rows: the whole tiles 0, 1 and 4
+      if (rows > 16)
+        amx_block<2>(a + i * steps, steps, panel, tiled, c, ldc, panel_bias);
       else
-        amx_block<1>(rows_of_a, steps, panel, tiled, c, ldc, panel_bias);
+        amx_block<1>(a + i * steps, steps, panel, tiled, c, ldc, panel_bias);
     }
     for (int64_t r = 0; tiled < steps && r < rows; r += kRows)
       block_n(static_cast<int>(std::min<int64_t>(kRows, rows - r)),
@@ -646,10 +646,10 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<W, bf16>) {
     if (amx_takes(M)) {
-      const int64_t steps = (K + 1) / 2, padded_rows = (M + 15) / 16 * 16;
+      const int64_t steps = (K + 1) / 2;
       const Scratch<Buffer<uint32_t>> step_buffer;
-      const uint32_t *a = as_steps<bf16>(x, M, K, steps, padded_rows, *step_buffer, parallel);
-      return matmul_amx(a, padded_rows, M, steps, packed, bias, N, y, ldy, parallel, gated);
+      const uint32_t *a = as_steps<bf16>(x, M, K, steps, *step_buffer, parallel);
+      return matmul_amx(a, M, steps, packed, bias, N, y, ldy, parallel, gated);
     }
   }
 #endif
@@ -661,12 +661,12 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
   auto run = [&](const auto *a, int64_t lda, int64_t a_step) {
     using A = std::remove_cv_t<std::remove_pointer_t<decltype(a)>>;
     const int64_t block_rows = block_rows_for<W, A>();
-    for_each_output_block(gated, M, M, kRowChunk, std::min(M, block_rows), N, bias, y,
+    for_each_output_block(gated, M, kRowChunk, std::min(M, block_rows), N, bias, y,
                           ldy, parallel, panels,
-                   [&](int64_t i, int64_t block, int64_t, int64_t p, float *c, int64_t ldc) {
+                   [&](int64_t i, int64_t rows, int64_t p, float *c, int64_t ldc) {
       const W *panel = panels.panel<W>(p);
       for (int64_t s0 = 0; s0 < steps; s0 += depth)
-        block_n(static_cast<int>(block), a + i * lda + s0 * a_step, lda,
+        block_n(static_cast<int>(rows), a + i * lda + s0 * a_step, lda,
                 panel + s0 * per_step * kPanel, std::min(depth, steps - s0), c, ldc, s0 > 0);
     });
   };
@@ -681,7 +681,7 @@ void matmul(const float *x, int64_t M, int64_t K, const W *packed, const B *bias
     }
   }
   const Scratch<Buffer<uint32_t>> step_buffer;
-  run(as_steps<W>(x, M, K, steps, M, *step_buffer, parallel), steps, 1);
+  run(as_steps<W>(x, M, K, steps, *step_buffer, parallel), steps, 1);
 }
 
 // The same with x's rows already rounded to bfloat16 (the decoder layer's intermediates where
@@ -692,8 +692,8 @@ void matmul(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, const B *bi
   if (M == 0) return;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx_takes(M) && K % 2 == 0) {
-    return matmul_amx(reinterpret_cast<const uint32_t *>(x), M, M, K / 2, packed, bias, N, y,
-                      ldy, parallel, gated);
+    return matmul_amx(reinterpret_cast<const uint32_t *>(x), M, K / 2, packed, bias, N, y, ldy,
+                      parallel, gated);
   }
 #endif
   const Scratch<Buffer<float>> widened;

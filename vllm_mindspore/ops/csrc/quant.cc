@@ -169,8 +169,8 @@ inline void int8_block(const uint8_t *u, int64_t K4, const Panels &panels, const
 void int8_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed, const int32_t *corr,
                  int64_t N, int32_t *acc, int64_t ldacc) {
   const Panels panels = int8_panels(packed, K4);
-  for_each_block(M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), acc, ldacc, true,
-                 panels, [&](int64_t i, int64_t, int64_t rows, int64_t p, int32_t *c, int64_t ldc) {
+  for_each_block(M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), acc, ldacc, true,
+                 panels, [&](int64_t i, int64_t rows, int64_t p, int32_t *c, int64_t ldc) {
     int8_block(u, K4, panels, corr, i, rows, p, std::min<int64_t>(kQPanel, N - p * kQPanel), c,
                ldc);
   });
@@ -185,9 +185,9 @@ void quant_matmul(const uint8_t *u, int64_t M, int64_t K4, const int8_t *packed,
                   const int32_t *corr, int64_t N, const Dequant &dequant, float *y, int64_t ldy,
                   bool parallel, bool gated) {
   const Panels panels = int8_panels(packed, K4);
-  for_each_output_block(gated, M, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), y,
+  for_each_output_block(gated, M, kRowChunk, kQRows, N, static_cast<const float *>(nullptr), y,
                         ldy, parallel, panels,
-                        [&](int64_t i, int64_t, int64_t rows, int64_t p, float *c, int64_t ldc) {
+                        [&](int64_t i, int64_t rows, int64_t p, float *c, int64_t ldc) {
     const int64_t columns = std::min<int64_t>(kQPanel, N - p * kQPanel);
     int32_t acc[kQRows * kQPanel];
     int8_block(u, K4, panels, corr, i, rows, p, columns, acc, kQPanel);
