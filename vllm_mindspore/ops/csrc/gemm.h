@@ -113,6 +113,13 @@ void block_columns(const float *__restrict a, int64_t lda, const W *__restrict p
     for (int v = 0; v < V; ++v)
       sum[i][v] = accumulate ? load_lanes(c + i * ldc + first + v * kLanes) : lanes{};
   Lookahead ahead = lookahead();
+#if defined(__AVX512F__)
+  // Two steps of k an iteration: the step that asks for a line is known, and the row pointers
+  // that do not fit the registers (14 rows) are reloaded once for both. Standalone (the step's
+  // four float32 matmuls, eight layers of weights, alternated four times): 896 rows 16.6-16.9 ->
+  // 15.2-16.0 ms a layer, 64 rows 1.29-1.35 -> 1.26-1.32. An AVX2 build (6 rows) was no faster.
+#pragma GCC unroll 2
+#endif
   for (int64_t k = 0; k < depth; ++k) {
     if (k % kStepsPerLine == 0) ahead.ask();
     lanes b[V];
