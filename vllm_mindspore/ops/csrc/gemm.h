@@ -448,7 +448,7 @@ void for_each_block(int64_t M, int64_t chunk_target, int64_t block_rows, int64_t
       Y *out = nullptr;
     } waiting;  // computed, not yet finished
     auto finish = [&](const Block &b) {
-      if constexpr (std::is_same_v<Acc, float>) {
+      if constexpr (std::is_same_v<Acc, float>) {  // else never paired (for_each_output_block)
         if (gated) return silu_rows(b.c, b.ldc, b.rows, b.out, ldy);
       }
       finish_rows(b.c, b.ldc, b.rows, b.out, ldy, columns, bias ? bias + p * kPanel : nullptr);
@@ -482,11 +482,13 @@ void for_each_block(int64_t M, int64_t chunk_target, int64_t block_rows, int64_t
 }
 
 // for_each_block over W's panels, or (`gated`: W a gate|up projection, N = 2I, I a multiple of
-// 32) over y [M, I] = silu(gate) * up.
+// 32) over y [M, I] = silu(gate) * up. The one place panels are paired: for_each_block finishes
+// paired blocks with silu_rows, which only a float32 accumulator has.
 template <typename ThreadState = NoThreadState, typename B, typename Y, typename Compute>
 void for_each_output_block(bool gated, int64_t M, int64_t chunk_target, int64_t block_rows,
                            int64_t N, const B *bias, Y *y, int64_t ldy, bool parallel,
                            Panels weights, const Compute &compute, int64_t burst_blocks = 1) {
+  static_assert(std::is_same_v<Accumulator<Y>, float>, "gated blocks are finished in float32");
   if (gated) weights.paired = N / 2 / kPanel;
   for_each_block<ThreadState>(M, chunk_target, block_rows, gated ? N / 2 : N, bias, y, ldy,
                               parallel, weights, compute, burst_blocks);
