@@ -9,7 +9,7 @@ rounded), and AMX tiles."""
 import mindspore as ms
 import numpy as np
 import pytest
-from ms_cells import OpCell
+from ms_cells import OpCell, call_aot
 
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter
@@ -103,6 +103,44 @@ def test_packed_linear_matches_numpy(weight_kernel, rows, in_features, variant):
     # float32 sums' rounding grows with their size (silu(gate) * up: a product of two sums)
     np.testing.assert_allclose(out.float().asnumpy(), expected, rtol=TOLERANCE[weight_dtype],
                                atol=TOLERANCE[weight_dtype] * max(1.0, np.abs(expected).max()))
+
+
+def aligned_rows(rows: int, columns: int, offset: int) -> np.ndarray:
+    """An uninitialised float32 [rows, columns] array starting `offset` bytes past a 64-byte
+    boundary."""
+    raw = np.empty(rows * columns + 32, np.float32)
+    skip = (-raw.ctypes.data % 64 + offset) // 4
+    return raw[skip:skip + rows * columns].reshape(rows, columns)
+
+
+# float32 y of 8 MiB or more (gemm.h, kStreamedBytes) is written with non-temporal stores where
+# its rows start on whole vectors; else, and y 16 bytes past a cache line as glibc's malloc
+# returns MindSpore's tensors, with plain stores. Called through the AOT entry point, which
+# writes into the test's own (aligned) arrays. 1008 outputs: a last panel of 16 columns.
+@pytest.mark.parametrize("offset", [0, 16])
+@pytest.mark.parametrize("variant, out_features", [("plain", 1008), ("bias", 1008),
+                                                   ("silu_and_mul", 2048)])
+def test_large_outputs_match_numpy(offset, variant, out_features):
+    g = np.random.default_rng(out_features + offset)
+    rows, in_features = 2100, 37
+    columns = out_features // 2 if variant == "silu_and_mul" else out_features
+    assert rows * columns * 4 >= 8 << 20  # streamed where aligned
+    x = g.standard_normal((rows, in_features)).astype(np.float32)
+    weight = (g.standard_normal((out_features, in_features)) * 0.2).astype(np.float32)
+    bias = g.standard_normal(out_features).astype(np.float32)
+    expected = x.astype(np.float64) @ weight.astype(np.float64).T
+    arrays = [x, pack_panels(weight, ms.float32)]
+    if variant == "bias":
+        expected = expected + bias
+        arrays.append(bias)
+    if variant == "silu_and_mul":
+        gate, up = np.split(expected, 2, axis=1)
+        expected = silu(gate) * up
+    y = aligned_rows(rows, columns, offset)
+    y[:] = np.nan
+    function = {"plain": "Linear", "bias": "LinearBias", "silu_and_mul": "LinearSiluMul"}[variant]
+    assert call_aot(kernels.library_path(), function, [*arrays, y]) == 0
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("weight_kernel", ["float32", *WEIGHT_DTYPES[2:]], indirect=True)

@@ -161,6 +161,15 @@ inline lanes load_lanes(const bf16 *p) {
   return v;
 }
 inline void store_lanes(float *p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
+// A non-temporal store (past the caches, no read of the line first) of a vector to p, aligned to
+// its size.
+inline void stream_lanes(float *p, lanes v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, reinterpret_cast<__m512>(v));
+#else
+  _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
+#endif
+}
 inline void store_lanes(half *p, lanes v) {
 #if defined(__AVX512F__)
   __m512 x;
