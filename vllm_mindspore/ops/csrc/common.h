@@ -170,6 +170,14 @@ inline void stream_lanes(float *p, lanes v) {
   _mm256_stream_ps(p, reinterpret_cast<__m256>(v));
 #endif
 }
+// store_lanes, or stream_lanes where `streamed` (float32 only).
+template <typename T>
+inline void put_lanes(T *p, lanes v, bool streamed) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (streamed) return stream_lanes(p, v);
+  }
+  store_lanes(p, v);
+}
 inline void store_lanes(half *p, lanes v) {
 #if defined(__AVX512F__)
   __m512 x;

@@ -393,16 +393,10 @@ inline float silu_times(float g, float u) { return g / (1.0f + fast_exp(-g)) * u
 template <typename Y>
 void silu_rows(const float *c, int64_t ldc, int64_t rows, Y *out, int64_t ldy, bool streamed) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int j = 0; j < kPanel; j += kLanes) {
-      const lanes v = silu_times(load_lanes(c + r * ldc + j), load_lanes(c + r * ldc + kPanel + j));
-      if constexpr (std::is_same_v<Y, float>) {
-        if (streamed) {
-          stream_lanes(out + r * ldy + j, v);
-          continue;
-        }
-      }
-      store_lanes(out + r * ldy + j, v);
-    }
+    for (int j = 0; j < kPanel; j += kLanes)
+      put_lanes(out + r * ldy + j,
+                silu_times(load_lanes(c + r * ldc + j), load_lanes(c + r * ldc + kPanel + j)),
+                streamed);
   }
 }
 
@@ -528,7 +522,9 @@ template <typename ThreadState = NoThreadState, typename B, typename Y, typename
 void for_each_output_block(bool gated, int64_t M, int64_t chunk_target, int64_t block_rows,
                            int64_t N, const B *bias, Y *y, int64_t ldy, bool parallel,
                            Panels weights, const Compute &compute, int64_t burst_blocks = 1) {
-  static_assert(std::is_same_v<Accumulator<Y>, float>, "gated blocks are finished in float32");
+  static_assert(std::is_same_v<Accumulator<Y>, float>,
+                "y may be gated, and gated blocks are finished in float32: exact int32 y goes "
+                "through for_each_block");
   if (gated) weights.paired = N / 2 / kPanel;
   for_each_block<ThreadState>(M, chunk_target, block_rows, gated ? N / 2 : N, bias, y, ldy,
                               parallel, weights, compute, burst_blocks);
