@@ -1,6 +1,6 @@
-"""The decoder layer as one CPU operator (vllm_mindspore/ops/decoder.py) against the same layer as
-its separate operators: the same kernels in the same order, so the same bits, over steps that
-mix prefills, a chunked prefill, decodes and padding. With bfloat16 weights (--dtype bfloat16 on
+"""Consecutive decoder layers as one CPU operator (vllm_mindspore/ops/decoder.py) against the same
+layers as their separate operators: the same kernels in the same order, so the same bits, over
+steps that mix prefills, a chunked prefill, decodes and padding. With bfloat16 weights (--dtype bfloat16 on
 CPU) too: where AMX takes a step, the operator's norms and silu * up write their rows rounded to
 bfloat16 for the tiles, which the separate operators' matmuls round as they read them. Its
 agreement with HF transformers is test_correctness.py's (the operator is the default)."""
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_mindspore.ops.attention import AttentionMetadata
+from vllm_mindspore.ops.decoder import DecoderLayersKernel
 from vllm_mindspore.ops.linear import packing_bfloat16
 from vllm_mindspore.platform import cpu_has_bfloat16_dot
 
@@ -27,7 +28,8 @@ MODELS = {
     "qwen3": ("Qwen3ForCausalLM", dict(num_hidden_layers=3)),  # q/k head norms
     "llama": ("LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
                                        head_dim=16)),
-    # Layer 1 dense (mlp_only_layers) between two sparse ones: it alone is one operator.
+    # Layer 1 dense (mlp_only_layers) between two sparse ones: it alone is one operator, which
+    # takes the residual stream of the layer before it.
     "qwen3-moe": ("Qwen3MoeForCausalLM", dict(
         num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
@@ -99,8 +101,15 @@ def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch,
     one_operator = build(arch, model_dir, True, bfloat16, monkeypatch)
     separate = build(arch, model_dir, False, bfloat16, monkeypatch)
     expected = ONE_OPERATOR_LAYERS.get(name, [True] * one_operator.config.num_hidden_layers)
-    assert [layer.layer_kernel is not None for layer in one_operator.model.layers] == expected
-    assert all(layer.layer_kernel is None for layer in separate.model.layers)
+    assert [layer.layer_tensors is not None for layer in one_operator.model.layers] == expected
+    # Each run of consecutive such layers is one operator, in the layers' order.
+    runs = one_operator.model.runs
+    operators = [isinstance(run, DecoderLayersKernel) for run in runs]
+    assert operators == (expected if name == "qwen3-moe" else [True])
+    assert [layer for run, operator in zip(runs, operators)
+            for layer in (run.layers if operator else [run])] == list(one_operator.model.layers)
+    assert all(layer.layer_tensors is None for layer in separate.model.layers)
+    assert separate.model.runs is None
     vocab = one_operator.config.vocab_size
     # The operator computes a step's tokens only and gives the padding rows zeros, where the
     # separate operators compute those rows too. A sparse layer after it routes the two sets of

@@ -17,7 +17,7 @@ from model_backends.native.layers import (ColumnParallelLinear, Linear, Parallel
                                           tp_rank_and_size)
 from vllm_mindspore import envs
 from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
-from vllm_mindspore.ops.decoder import DecoderLayerKernel
+from vllm_mindspore.ops.decoder import DecoderLayersKernel, DecoderLayerTensors
 from vllm_mindspore.ops.host import zeros_parameter
 
 
@@ -128,15 +128,15 @@ class LlamaDecoderLayer(nn.Cell):
         self.self_attn = self.attention_cls(config, block_size, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = self.make_mlp(config, layer_index, dtype)
-        self.layer_kernel = None  # CPU: the layer as one operator (use_compute_layout)
+        self.layer_tensors = None  # CPU: the layer in a DecoderLayersKernel (use_compute_layout)
 
     def make_mlp(self, config, layer_index: int, dtype) -> nn.Cell:
         return LlamaMLP(config.hidden_size, config.intermediate_size, dtype)
 
     def use_compute_layout(self, prefix: str) -> None:
-        """After its projections took their compute layouts: on CPU, the whole layer as one
-        operator (vllm_mindspore/ops/decoder.py) where nothing else runs between its parts (float
-        weights, one tensor-parallel rank, Llama's attention and a dense MLP)."""
+        """After its projections took their compute layouts: on CPU, the layer's inputs to the
+        layers' operator (vllm_mindspore/ops/decoder.py) where nothing else runs between its
+        parts (float weights, one tensor-parallel rank, Llama's attention and a dense MLP)."""
         attn, mlp = self.self_attn, self.mlp
         if (not envs.VLLM_MS_CPU_LAYER_KERNEL or not isinstance(attn, LlamaAttention)
                 or not isinstance(mlp, LlamaMLP)):
@@ -148,9 +148,9 @@ class LlamaDecoderLayer(nn.Cell):
         qk_norm = attn.qk_norm_ if attn.qk_norm else None
         norms = [self.input_layernorm, self.post_attention_layernorm] + (
             [qk_norm] if qk_norm is not None else [])
-        if not DecoderLayerKernel.applies(norms, attn.attn):
+        if not DecoderLayerTensors.applies(norms, attn.attn):
             return
-        self.layer_kernel = DecoderLayerKernel(
+        self.layer_tensors = DecoderLayerTensors(
             self.input_layernorm, attn.qkv_proj.weight, attn.qkv_proj.bias, qk_norm,
             attn.o_proj.weight, self.post_attention_layernorm, mlp.gate_up_proj.weight,
             mlp.down_proj.weight, attn.attn, mlp.gate_up_proj.out_features // 2)
@@ -159,10 +159,6 @@ class LlamaDecoderLayer(nn.Cell):
         """hidden: the previous layer's output, residual: the stream before it (None for the
         first layer) -> (this layer's output, the stream before it); each norm also does the
         residual add."""
-        if self.layer_kernel is not None:
-            attn = self.self_attn
-            return self.layer_kernel(hidden, residual, attn.key_cache, attn.value_cache, positions,
-                                     *attn_metadata)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -180,14 +176,38 @@ class LlamaModel(nn.Cell):
         self.layers = nn.CellList([decoder_layer_cls(config, i, block_size, dtype)
                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.runs = None  # CPU: the layers with their runs as one operator (use_compute_layout)
+
+    def use_compute_layout(self, prefix: str) -> None:
+        """After the layers' (children go first): each run of consecutive layers that the
+        layers' operator computes becomes one operator; MindSpore's ~40-70 us between two
+        operators was ~10% of a batch-1 decode step with one operator a layer."""
+        if all(layer.layer_tensors is None for layer in self.layers):
+            return
+        runs, run = [], []
+        for layer in self.layers:
+            if layer.layer_tensors is not None:
+                run.append(layer)
+                continue
+            if run:
+                runs.append(DecoderLayersKernel(run))
+                run = []
+            runs.append(layer)
+        if run:
+            runs.append(DecoderLayersKernel(run))
+        self.runs = nn.CellList(runs)
 
     def construct(self, input_ids, positions, attn_metadata, prefill_only):
         """-> the last layer's hidden states [T, hidden], before the final norm (applied by
         the logits head to the rows that are sampled)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata, prefill_only)
+        if self.runs is None:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, attn_metadata, prefill_only)
+        else:
+            for run in self.runs:
+                hidden, residual = run(positions, hidden, residual, attn_metadata, prefill_only)
         return hidden + residual
 
 
@@ -236,7 +256,7 @@ class LlamaForCausalLM(nn.Cell):
     def skips_padding(self) -> bool:
         """Whether every layer is the one CPU operator, which computes the step's tokens only
         (zeros for the padding rows after them)."""
-        return all(layer.layer_kernel is not None for layer in self.model.layers)
+        return all(layer.layer_tensors is not None for layer in self.model.layers)
 
     def dynamic_inputs(self) -> tuple:
         token_ids = ms.Tensor(shape=[None], dtype=ms.int32)

@@ -1,8 +1,8 @@
-// CPU kernel behind vllm_mindspore.ops.decoder: a Llama-family decoder layer (pre-norm attention
-// and MLP, both residual) as one operator, running the plugin's own kernels in turn on its
-// intermediates. MindSpore launches each operator of a graph for ~10 us on these CPUs; a layer
-// of separate operators is 7 launches (norm, q|k|v, attention, o, norm, gate|up, down), 58 of a
-// batch-1 decode step's 68.
+// CPU kernel behind vllm_mindspore.ops.decoder: consecutive Llama-family decoder layers (pre-norm
+// attention and MLP, both residual) as one operator, running the plugin's own kernels in turn on
+// their intermediates. MindSpore spends ~40-70 us between two operators of a graph on these CPUs;
+// a layer of separate operators is 7 launches (norm, q|k|v, attention, o, norm, gate|up, down),
+// and a model's layers one operator each were still 8 launches a step.
 
 #include <algorithm>
 #include <cstdint>
@@ -25,7 +25,8 @@ namespace {
 
 using Kernel = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
 
-// The operator's inputs; an optional one (residual, qkv_bias, qk_norm) is absent when empty.
+// One layer's inputs to decoder_layer (DecoderLayers gathers them from its own); an optional one
+// (residual, qkv_bias, qk_norm) is absent when empty.
 enum Input {
   kHidden,       // [T, E]
   kResidual,     // [T, E], or [0] (the first layer: the stream starts at hidden)
@@ -175,15 +176,53 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   return 0;
 }
 
+// DecoderLayers' inputs: the step's, then each layer's own group, then the two outputs.
+constexpr int kStepInputs[] = {kHidden, kResidual, kSlotMapping, kBlockTables, kSeqLens, kQLens,
+                               kPositions};
+constexpr int kLayerInputs[] = {kInputNorm, kEps, kQkv, kQkvBias, kQkNorm, kOProj, kPostNorm,
+                                kGateUp, kDown, kKeyCache, kValueCache, kScale, kCosSin, kSizes};
+constexpr int kNumStepInputs = sizeof(kStepInputs) / sizeof(kStepInputs[0]);
+constexpr int kNumLayerInputs = sizeof(kLayerInputs) / sizeof(kLayerInputs[0]);
+
 }  // namespace
 
 extern "C" {
 
-// The inputs above -> (the layer's output [T, E], the residual stream before it [T, E]), as
-// LlamaDecoderLayer.construct returns them.
-int DecoderLayer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                 void *, void *) {
-  return nparam == kInputs + 2 ? decoder_layer(params, ndims, shapes, dtypes) : 1;
+// (hidden [T, E], residual [T, E] or [0] (the stream starts at hidden), slot_mapping,
+// block_tables, seq_lens, q_lens, positions, then per layer the 14 inputs of kLayerInputs) ->
+// (the last layer's output [T, E], the residual stream before it [T, E]), as a chain of
+// LlamaDecoderLayer.construct returns them. Each layer after the first reads the outputs in
+// place: its first norm reads hidden and residual before its last matmul writes hidden.
+int DecoderLayers(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                  void *, void *) {
+  const int layer_inputs = nparam - kNumStepInputs - 2;
+  if (layer_inputs < kNumLayerInputs || layer_inputs % kNumLayerInputs != 0) return 1;
+  void *layer_params[kInputs + 2];
+  int layer_ndims[kInputs + 2];
+  int64_t *layer_shapes[kInputs + 2];
+  const char *layer_dtypes[kInputs + 2];
+  auto take = [&](int to, int from) {
+    layer_params[to] = params[from];
+    layer_ndims[to] = ndims[from];
+    layer_shapes[to] = shapes[from];
+    layer_dtypes[to] = dtypes[from];
+  };
+  for (int i = 0; i < kNumStepInputs; ++i) take(kStepInputs[i], i);
+  take(kInputs, nparam - 2);
+  take(kInputs + 1, nparam - 1);
+  for (int layer = 0; layer < layer_inputs / kNumLayerInputs; ++layer) {
+    for (int i = 0; i < kNumLayerInputs; ++i) {
+      take(kLayerInputs[i], kNumStepInputs + layer * kNumLayerInputs + i);
+    }
+    if (layer > 0) {
+      take(kHidden, nparam - 2);
+      take(kResidual, nparam - 1);
+    }
+    if (const int status = decoder_layer(layer_params, layer_ndims, layer_shapes, layer_dtypes)) {
+      return status;
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"
