@@ -254,8 +254,8 @@ class LlamaForCausalLM(nn.Cell):
         return LogitsHead(self.model.norm, self.lm_head)
 
     def skips_padding(self) -> bool:
-        """Whether every layer is the one CPU operator, which computes the step's tokens only
-        (zeros for the padding rows after them)."""
+        """Whether every layer runs in the layers' CPU operator, which computes the step's tokens
+        only (zeros for the padding rows after them)."""
         return all(layer.layer_tensors is not None for layer in self.model.layers)
 
     def dynamic_inputs(self) -> tuple:

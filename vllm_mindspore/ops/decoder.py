@@ -19,10 +19,10 @@ from vllm_mindspore.ops.norm import RMSNorm
 
 
 class DecoderLayerTensors(nn.Cell):
-    """A layer's inputs to the operator, besides its KV caches (which `cache_owner` holds):
-    the same Parameters as the layer's own cells (no copies): the norms' weights and eps, the
-    packed projections (linear.py), the optional q|k|v bias and stacked q|k norm weight
-    [H + KVH, D], and the attention's rotary table and scale."""
+    """A layer's inputs to the operator besides its KV caches (its attention's, allocated after
+    this is built): the same Parameters as the layer's own cells (no copies): the norms' weights
+    and eps, the packed projections (linear.py), the optional q|k|v bias and stacked q|k norm
+    weight [H + KVH, D], and the attention's rotary table and scale."""
 
     def __init__(self, input_norm: RMSNorm, qkv, qkv_bias, qk_norm: RMSNorm | None, o_proj,
                  post_norm: RMSNorm, gate_up, down, attention: PagedAttention,
