@@ -176,7 +176,7 @@ class LlamaModel(nn.Cell):
         self.layers = nn.CellList([decoder_layer_cls(config, i, block_size, dtype)
                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.runs = None  # CPU: the layers with their runs as one operator (use_compute_layout)
+        self.runs = None  # CPU: the layers, each run of them in one operator (use_compute_layout)
 
     def use_compute_layout(self, prefix: str) -> None:
         """After the layers' (children go first): each run of consecutive layers that the
