@@ -65,7 +65,7 @@ class DecoderLayersKernel(nn.Cell):
     def construct(self, positions, hidden, residual, attn_metadata, prefill_only):
         if residual is None:
             residual = self.absent
-        layer_inputs = ()
+        layer_inputs = ()  # per layer, in the order of decoder_layer.cc's kLayerInputs
         for layer in self.layers:
             tensors, attention = layer.layer_tensors, layer.self_attn
             layer_inputs = layer_inputs + (

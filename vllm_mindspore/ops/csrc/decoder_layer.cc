@@ -176,7 +176,8 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   return 0;
 }
 
-// DecoderLayers' inputs: the step's, then each layer's own group, then the two outputs.
+// DecoderLayers' inputs: the step's, then each layer's own group (the order in which
+// ops/decoder.py's DecoderLayersKernel passes them), then the two outputs.
 constexpr int kStepInputs[] = {kHidden, kResidual, kSlotMapping, kBlockTables, kSeqLens, kQLens,
                                kPositions};
 constexpr int kLayerInputs[] = {kInputNorm, kEps, kQkv, kQkvBias, kQkNorm, kOProj, kPostNorm,
