@@ -1,6 +1,6 @@
 """MindSpore's own time in a graph call, warm and right after an operator has read a large buffer.
 
-A batch-1 decode step spends ~0.45 ms of its ~2.8 ms in MindSpore's graph call around the
+A batch-1 decode step spends ~0.42 ms of its ~2.8 ms in MindSpore's graph call around the
 plugin's kernels (docs/benchmarks.md). This script shows where that comes from: a graph shaped like
 the decode graph (an embedding Gather, one operator taking the layers' 6 + 112 inputs, the final
 add, a norm and an LM head, the operators `ops.Custom` AOT functions of a small C++ library built
