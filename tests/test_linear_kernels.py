@@ -6,6 +6,9 @@ decode-sized blocks (1, 8, 9, 15 rows) and several row chunks (300 rows; AMX 110
 weights are checked on each kernel the CPU has: vdpbf16ps, widened to float32 for FMAs (x not
 rounded), and AMX tiles."""
 
+import os
+import subprocess
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -184,3 +187,39 @@ def test_bfloat16_experts_refuse_odd_sizes(hidden, inter):
     down = [np.zeros((hidden, inter), np.float32)]
     with packing_bfloat16(True), pytest.raises(ValueError, match="need an even hidden size"):
         MoEDispatch(1).set_weights(gate_up, down, ms.float32, "experts")
+
+
+# The kernels' AMX tile configuration, compiled into a program of its own where GCC inlines it:
+# GCC 12's _tile_loadconfig declares that ldtilecfg reads 8 of the configuration's 64 bytes, and
+# without the barrier in configure_tiles such a program loaded a configuration of no rows and died
+# of SIGSEGV at its first tile load.
+TILE_PROGRAM = r"""
+#include "gemm.h"
+int main() {
+  using namespace vllm_ms;
+  if (!amx_available()) return 77;
+  alignas(64) uint32_t a[32 * kTilePairs];
+  alignas(64) bf16 panel[kTilePairs * 2 * kPanel];
+  alignas(64) float c[32 * kPanel];
+  for (auto &v : a) v = 0x3f803f80u;  // a pair of bfloat16 ones
+  for (auto &v : panel) from_float(1.0f, &v);
+  configure_tiles(32);
+  amx_block<2>(a, kTilePairs, panel, kTilePairs, c, kPanel, nullptr);
+  for (float v : c)
+    if (v != 2.0f * kTilePairs) return 1;
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX-BF16")
+def test_tile_configuration_survives_inlining(tmp_path):
+    source, program = tmp_path / "tiles.cc", tmp_path / "tiles"
+    source.write_text(TILE_PROGRAM)
+    flags = [flag for flag in kernels._FLAGS if flag not in ("-shared", "-fPIC")]
+    subprocess.run([os.environ.get("CXX", "g++"), *flags, f"-I{kernels._CSRC}", "-o",
+                    str(program), str(source)], check=True)
+    result = subprocess.run([str(program)])
+    if result.returncode == 77:
+        pytest.skip("Linux refused this process the AMX tile state")
+    assert result.returncode == 0, f"the tile program ended with {result.returncode}"

@@ -566,6 +566,10 @@ inline void configure_tiles(int64_t block_rows = 32) {
     config.rows[t] = static_cast<uint8_t>(bottom);
     config.bytes_per_row[t] = bottom > 0 ? 64 : 0;  // none: unconfigured
   }
+  // GCC 12's _tile_loadconfig tells the compiler that ldtilecfg reads the first 8 of the 64
+  // bytes, so it may drop the stores above: a test program built -O3 loaded a configuration of
+  // no rows and died of SIGSEGV at the first tile load. The barrier makes every byte live.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
   configured_rows() = block_rows;
 }
