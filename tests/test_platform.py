@@ -115,3 +115,47 @@ def test_cli_runs_again_with_tcmalloc_where_installed(enabled):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "LlamaForCausalLM" in result.stdout
     assert (f"calling init: {installed[0]}" in result.stderr) == (enabled == "1")
+
+
+def test_missing_tcmalloc_warning_names_the_preload(monkeypatch, tmp_path):
+    from vllm_mindspore import cli
+
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    library.write_bytes(b"")
+    monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(library),))
+    monkeypatch.delenv("VLLM_MS_CPU_TCMALLOC", raising=False)
+    maps = "7f0000000000-7f0000001000 r-xp 00000000 00:00 0 /usr/lib/libc.so.6\n"
+    warning = cli.missing_tcmalloc_warning(maps)
+    assert f"LD_PRELOAD={library} python script.py" in warning
+    assert "VLLM_MS_CPU_TCMALLOC=0" in warning
+    assert cli.missing_tcmalloc_warning(
+        maps + f"7f0000002000-7f0000003000 r-xp 00000000 00:00 0 {library}\n") is None
+    monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"),))
+    assert "apt-get install -y libtcmalloc-minimal4" in cli.missing_tcmalloc_warning(maps)
+    monkeypatch.setenv("VLLM_MS_CPU_TCMALLOC", "0")
+    assert cli.missing_tcmalloc_warning(maps) is None
+
+
+@pytest.mark.parametrize("preload", [False, True])
+def test_cpu_worker_warns_without_tcmalloc(preload):
+    """MindSpore brought up for a CPU rank as the worker does, in a process started with or
+    without tcmalloc: the warning exactly when it is missing."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_mindspore import cli
+
+    library = cli.installed_tcmalloc()
+    if preload and library is None:
+        pytest.skip("libtcmalloc_minimal.so.4 is not installed on this machine")
+    env = dict(os.environ, VLLM_MS_DEVICE="CPU")
+    env.pop("VLLM_MS_CPU_TCMALLOC", None)
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        env["LD_PRELOAD"] = library
+    code = "from vllm_mindspore.worker.worker import init_mindspore; init_mindspore(0, 1, False)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("tcmalloc is not preloaded" in result.stdout + result.stderr) == (not preload)

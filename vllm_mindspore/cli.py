@@ -36,6 +36,24 @@ def installed_tcmalloc() -> str | None:
     return next((path for path in TCMALLOC_PATHS if os.path.exists(path)), None)
 
 
+def missing_tcmalloc_warning(maps: str) -> str | None:
+    """What a CPU engine logs when tcmalloc is not among its process's mappings (`maps`, the text
+    of /proc/self/maps) and VLLM_MS_CPU_TCMALLOC does not switch it off: a script that runs vLLM's
+    offline `LLM` without the preload, or a host without tcmalloc."""
+    from vllm_mindspore import envs
+
+    if not envs.VLLM_MS_CPU_TCMALLOC or "tcmalloc" in maps:
+        return None
+    library = installed_tcmalloc()
+    fix = (f"run the script as LD_PRELOAD={library} python script.py" if library else
+           "install it (Debian/Ubuntu: apt-get install -y libtcmalloc-minimal4) and run the "
+           "script as LD_PRELOAD=/path/to/libtcmalloc_minimal.so.4 python script.py")
+    return ("tcmalloc is not preloaded: MindSpore's CPU tensors (weights, KV cache, activations) "
+            "then start 16 bytes into a cache line, and the kernels' steps ran 11-20% slower "
+            "(README, \"CPU: preload tcmalloc\"). The vllm-mindspore command preloads it itself; "
+            f"for an offline script, {fix}. VLLM_MS_CPU_TCMALLOC=0 silences this warning.")
+
+
 def preload_tcmalloc() -> None:
     """On CPU, runs this command again with tcmalloc preloaded where it is installed and nothing
     preloads it already (VLLM_MS_CPU_TCMALLOC=0: never). MindSpore allocates its CPU tensors with

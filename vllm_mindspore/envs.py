@@ -92,7 +92,8 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "CPU: 1 (default) runs the vllm-mindspore command again with tcmalloc preloaded "
         "(LD_PRELOAD) where the system has libtcmalloc_minimal.so.4 and nothing preloads it "
         "already: MindSpore's tensors then start on a cache line (README, \"CPU: preload "
-        "tcmalloc\"); 0 keeps glibc's malloc. Offline scripts preload it themselves.",
+        "tcmalloc\"); 0 keeps glibc's malloc. Offline scripts preload it themselves (a CPU "
+        "engine without it logs a warning; 0 silences it).",
     ),
     "VLLM_MS_CPU_BF16_WIDEN": (
         _choice("VLLM_MS_CPU_BF16_WIDEN", ("auto", "1", "0"), "auto"),

@@ -8,6 +8,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_mindspore import envs
+from vllm_mindspore.cli import missing_tcmalloc_warning
 from vllm_mindspore.distributed.communication import (expert_parallel_across_dp,
                                                        init_communication, shutdown_communication)
 from vllm_mindspore.platform import ASCEND, DEVICE, precision_for
@@ -52,6 +53,10 @@ def init_mindspore(device_index: int, cpu_threads: int, bfloat16_weights: bool) 
     # a user's OMP_NUM_THREADS): OMP_NUM_THREADS is set for the host's OpenMP programs, and the
     # model's kernels here use their own pool (`kernels.set_num_threads`), not OpenMP.
     torch.set_num_threads(1)
+    with open("/proc/self/maps") as maps:
+        warning = missing_tcmalloc_warning(maps.read())
+    if warning:
+        logger.warning(warning)
     amx = kernels.use_amx(envs.VLLM_MS_CPU_AMX)
     if not bfloat16_weights:
         return
