@@ -216,8 +216,8 @@ int main() {
 def test_tile_configuration_survives_inlining(tmp_path):
     source, program = tmp_path / "tiles.cc", tmp_path / "tiles"
     source.write_text(TILE_PROGRAM)
-    flags = [flag for flag in kernels._FLAGS if flag not in ("-shared", "-fPIC")]
-    subprocess.run([os.environ.get("CXX", "g++"), *flags, f"-I{kernels._CSRC}", "-o",
+    flags = [flag for flag in kernels.COMPILE_FLAGS if flag not in ("-shared", "-fPIC")]
+    subprocess.run([os.environ.get("CXX", "g++"), *flags, f"-I{kernels.CSRC}", "-o",
                     str(program), str(source)], check=True)
     result = subprocess.run([str(program)])
     if result.returncode == 77:

@@ -136,10 +136,19 @@ def test_missing_tcmalloc_warning_names_the_preload(monkeypatch, tmp_path):
     assert cli.missing_tcmalloc_warning(maps) is None
 
 
+# An offline script's engine (vLLM's LLM, the CPU worker in a process of its own), on a tiny model.
+OFFLINE_SCRIPT = """
+import sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], max_model_len=64, max_num_seqs=2, kv_cache_memory_bytes=4 << 20)
+print("TOKENS", len(llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids))
+"""
+
+
 @pytest.mark.parametrize("preload", [False, True])
-def test_cpu_worker_warns_without_tcmalloc(preload):
-    """MindSpore brought up for a CPU rank as the worker does, in a process started with or
-    without tcmalloc: the warning exactly when it is missing."""
+def test_offline_engine_warns_without_tcmalloc(preload, tiny_model_factory):
+    """An offline script run with or without tcmalloc preloaded: its engine generates either way
+    and logs the warning exactly when tcmalloc is missing."""
     import os
     import subprocess
     import sys
@@ -154,8 +163,9 @@ def test_cpu_worker_warns_without_tcmalloc(preload):
     env.pop("LD_PRELOAD", None)
     if preload:
         env["LD_PRELOAD"] = library
-    code = "from vllm_mindspore.worker.worker import init_mindspore; init_mindspore(0, 1, False)"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT,
+                             tiny_model_factory("Qwen3ForCausalLM")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TOKENS 2" in result.stdout
     assert ("tcmalloc is not preloaded" in result.stdout + result.stderr) == (not preload)

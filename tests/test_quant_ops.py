@@ -186,8 +186,8 @@ def test_paths_without_vnni_are_exact(tmp_path, flag):
     from vllm_mindspore.ops import kernels
 
     lib = str(tmp_path / f"quant{flag}.so")
-    subprocess.run(["g++", *kernels._FLAGS, flag, "-o", lib,
-                    os.path.join(kernels._CSRC, "quant.cc")], check=True, timeout=300)
+    subprocess.run(["g++", *kernels.COMPILE_FLAGS, flag, "-o", lib,
+                    os.path.join(kernels.CSRC, "quant.cc")], check=True, timeout=300)
     g = rng(7)
     k, n = 67, 40
     for m in (5, 13):

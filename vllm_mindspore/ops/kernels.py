@@ -22,9 +22,10 @@ logger = init_logger("vllm.vllm_mindspore.kernels")
 _SOURCES = ("paged_attention.cc", "linear.cc", "moe.cc", "norm_rope.cc", "quant.cc",
             "sampling.cc", "decoder_layer.cc")
 _HEADERS = ("common.h", "gemm.h", "parallel.h")
-_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-pthread", "-shared",
-          "-fPIC")
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# The library's flags and sources' folder (tests build small programs of their own from them).
+COMPILE_FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=fast", "-pthread",
+                 "-shared", "-fPIC")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
 
 def _cache_dir() -> str:
@@ -35,9 +36,9 @@ def _cache_dir() -> str:
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
-        with open(os.path.join(_CSRC, name), "rb") as f:
+        with open(os.path.join(CSRC, name), "rb") as f:
             digest.update(f.read())
-    digest.update(" ".join(_FLAGS).encode())
+    digest.update(" ".join(COMPILE_FLAGS).encode())
     digest.update(subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout)
     with open("/proc/cpuinfo", "rb") as f:  # -march=native: a library per CPU model
         digest.update(next((line for line in f if line.startswith(b"flags")), b""))
@@ -60,7 +61,7 @@ def library_path() -> str:
     os.makedirs(_cache_dir(), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
     os.close(fd)
-    cmd = [compiler, *_FLAGS, "-o", tmp, *(os.path.join(_CSRC, s) for s in _SOURCES)]
+    cmd = [compiler, *COMPILE_FLAGS, "-o", tmp, *(os.path.join(CSRC, s) for s in _SOURCES)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:
         os.unlink(tmp)
