@@ -47,6 +47,7 @@ import sys
 import time
 
 try:
+    from vllm_mindspore.cli import tcmalloc_preload
     from vllm_mindspore.device import ASCEND, CPU, device_for
 except ImportError as error:  # run with another Python than the plugin's environment
     sys.exit(f"ray_cluster.py: {error}. Run it with the Python of the environment vllm-mindspore "
@@ -181,6 +182,21 @@ def check_pyacl(env: dict[str, str]) -> None:
             "and add it to the env file:\n"
             "  export PYTHONPATH=<install_path>/CANN-<VERSION>/python/site-packages/:$PYTHONPATH\n"
             "(docs/multi-node.md, 'pyACL').")
+
+
+def tcmalloc_for_ray(device: str, env: dict[str, str]) -> dict[str, str]:
+    """LD_PRELOAD with tcmalloc for the Ray processes of a CPU node. The plugin's workers are
+    started by the node's raylet with the node's environment, not by the `vllm-mindspore` command,
+    which preloads it for itself (README, "CPU: preload tcmalloc"). {} on Ascend, with
+    VLLM_MS_CPU_TCMALLOC=0, when the environment preloads it already, or where it is not
+    installed (the workers then log a warning that says how to install it)."""
+    if device != CPU:
+        return {}
+    try:
+        preload = tcmalloc_preload(env)
+    except ValueError as error:
+        raise Refused(f"{error} (in the environment Ray would start with)") from error
+    return {"LD_PRELOAD": preload} if preload else {}
 
 
 def gcs_nodes(address: str, timeout: float = 20) -> list[dict]:
@@ -379,6 +395,7 @@ def start(args, role: str) -> int:
     devices = count_devices(device, env, args.devices)
     if device == ASCEND:
         check_pyacl(env)
+    preload = tcmalloc_for_ray(device, env)
     if role == "join":
         check_hostname_unique(args.address)
 
@@ -400,12 +417,13 @@ def start(args, role: str) -> int:
         # Otherwise Ray replaces 127.0.0.1 by the host's routable address: the nodes listen there
         # and a driver (vllm-mindspore serve) looks for the GCS there. `env` exports it too.
         added["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray_env = {**env, **added}
+    ray_env = {**env, **added, **preload}  # the serving shell gets `added`; it preloads for itself
 
     os.makedirs(args.state_dir, exist_ok=True)
     log_path = os.path.join(args.state_dir, "ray_start.log")
     say(f"{device} node: declaring {devices} {RESOURCE} (one per rank)"
         + (f", environment from {args.env_file}" if args.env_file else "")
+        + (f", tcmalloc preloaded for its workers ({preload['LD_PRELOAD']})" if preload else "")
         + f"; ray start log: {log_path}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
     with open(log_path, "wb") as log:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -35,6 +36,7 @@ from conftest import PROMPTS, ROOT, TOKEN_BUDGET, free_port, greedy_tokens, slow
 from test_docs_blocks import BlockServer, block_env, doc_block, make_workdir, replace_checked, run_block
 
 from model_backends import mindformers_installed
+from vllm_mindspore.cli import installed_tcmalloc
 
 SCRIPT = "scripts/ray_cluster.py"
 # Bounds for a shared 2-core machine, added to the docs' commands: a small KV cache instead of
@@ -174,6 +176,9 @@ def test_tp2_over_ray_matches_tp1(rehearsal, tp1_tokens, cluster, tmp_path):
         assert len(actors) == 2, "both ranks must be actors of the script's Ray cluster"
         server_tree = {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
         assert not server_tree & {p.pid for p in actors}, "actors must be the cluster's processes"
+        if installed_tcmalloc():  # the script preloads it for Ray's processes on a CPU node
+            for actor in actors:
+                assert "tcmalloc" in Path(f"/proc/{actor.pid}/maps").read_text(), actor
     finally:
         server.stop()
     # Stopping the server frees the cluster: Ray ends the actors of the departed driver.
@@ -181,6 +186,8 @@ def test_tp2_over_ray_matches_tp1(rehearsal, tp1_tokens, cluster, tmp_path):
     assert not alive, f"Ray worker actors still running after the server stopped: {alive}"
     log = server.log_tail(100000)
     assert "Model backend: MindFormers" in log
+    if installed_tcmalloc():
+        assert "tcmalloc is not preloaded" not in log
     assert "tensor_parallel_size=2 (given explicitly) overrides parallel_config.model_parallel=1" in log
     for rank in (0, 1):
         assert f"MindSpore communication up: rank {rank} of 2" in log
@@ -251,6 +258,30 @@ def test_missing_pyacl_is_refused_on_an_ascend_node(rehearsal, tmp_path):
                        rehearsal["env"], timeout=120, expect_rc=2)
     assert "pyACL is not importable" in result.stdout and "PYTHONPATH" in result.stdout
     assert not os.path.exists(os.path.join(state, "ray_start.log"))
+
+
+def test_a_cpu_node_preloads_tcmalloc_for_its_ray_processes(monkeypatch, tmp_path):
+    """What `head`/`join` add to Ray's environment; the TP-over-Ray test checks that its actors
+    run with it."""
+    from vllm_mindspore import cli
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    import ray_cluster
+
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    library.write_bytes(b"")
+    monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"), str(library)))
+    preload = ray_cluster.tcmalloc_for_ray
+    assert preload("CPU", {"LD_PRELOAD": "/opt/other.so"}) == {"LD_PRELOAD": f"{library}:/opt/other.so"}
+    assert preload("CPU", {}) == {"LD_PRELOAD": str(library)}
+    # On Ascend, switched off, or preloaded already by the env file: nothing added.
+    assert preload("Ascend", {}) == {}
+    assert preload("CPU", {"VLLM_MS_CPU_TCMALLOC": "0"}) == {}
+    assert preload("CPU", {"LD_PRELOAD": str(library)}) == {}
+    with pytest.raises(ray_cluster.Refused, match="VLLM_MS_CPU_TCMALLOC='sometimes' is not a boolean"):
+        preload("CPU", {"VLLM_MS_CPU_TCMALLOC": "sometimes"})
+    monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"),))
+    assert preload("CPU", {}) == {}
 
 
 def test_stop_leaves_no_ray_process_and_spares_other_ray_processes(rehearsal, cluster):

@@ -6,6 +6,7 @@ with one line naming it); `serve` exits with status 1 when it stopped because it
 
 import os
 import sys
+from collections.abc import Mapping
 
 
 def set_env_defaults() -> None:
@@ -54,22 +55,30 @@ def missing_tcmalloc_warning(maps: str) -> str | None:
             f"for an offline script, {fix}. VLLM_MS_CPU_TCMALLOC=0 silences this warning.")
 
 
-def preload_tcmalloc() -> None:
-    """On CPU, runs this command again with tcmalloc preloaded where it is installed and nothing
-    preloads it already (VLLM_MS_CPU_TCMALLOC=0: never). MindSpore allocates its CPU tensors with
-    malloc, and glibc's start 16 bytes into a cache line; tcmalloc's on one, which the kernels'
-    64-byte loads and AMX tile rows read as one line instead of two (README, "CPU: preload
-    tcmalloc"). The same process id runs on (execve), with the workers it starts inheriting it."""
+def tcmalloc_preload(environ: Mapping[str, str]) -> str | None:
+    """The LD_PRELOAD, tcmalloc first, for a CPU process started with `environ`; None when it needs
+    none: tcmalloc is preloaded already, VLLM_MS_CPU_TCMALLOC=0, or it is not installed."""
     from vllm_mindspore import envs
+
+    preloaded = environ.get("LD_PRELOAD", "")
+    if "tcmalloc" in preloaded or not envs.flag_in(environ, "VLLM_MS_CPU_TCMALLOC"):
+        return None
+    library = installed_tcmalloc()
+    return ":".join(filter(None, [library, preloaded])) if library else None
+
+
+def preload_tcmalloc() -> None:
+    """On CPU, runs this command again with tcmalloc preloaded (`tcmalloc_preload`). MindSpore
+    allocates its CPU tensors with malloc, and glibc's start 16 bytes into a cache line;
+    tcmalloc's on one, which the kernels' 64-byte loads and AMX tile rows read as one line instead
+    of two (README, "CPU: preload tcmalloc"). The same process id runs on (execve), with the
+    workers it starts inheriting it."""
     from vllm_mindspore.device import CPU, detect_device
 
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if not envs.VLLM_MS_CPU_TCMALLOC or "tcmalloc" in preloaded or detect_device() != CPU:
+    preload = tcmalloc_preload(os.environ)
+    if preload is None or detect_device() != CPU:
         return
-    library = installed_tcmalloc()
-    if library is None:
-        return
-    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [library, preloaded])))
+    env = dict(os.environ, LD_PRELOAD=preload)
     os.execve(sys.executable, [sys.executable, "-m", "vllm_mindspore.cli", *sys.argv[1:]], env)
 
 

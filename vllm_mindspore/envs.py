@@ -4,7 +4,7 @@ Values are read when accessed (module attribute), so a variable set after import
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -12,11 +12,11 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
-def _flag(name: str, default: str = "0") -> Callable[[], bool]:
-    def read() -> bool:
-        value = os.environ.get(name, default).strip().lower()
+def _flag(name: str, default: str = "0") -> Callable[..., bool]:
+    def read(environ: Mapping[str, str] = os.environ) -> bool:
+        value = environ.get(name, default).strip().lower()
         if value not in _TRUE + _FALSE:
-            raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use 1 or 0 (also "
+            raise ValueError(f"{name}={environ[name]!r} is not a boolean: use 1 or 0 (also "
                              "true/false, yes/no, on/off).")
         return value in _TRUE
 
@@ -92,8 +92,9 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "CPU: 1 (default) runs the vllm-mindspore command again with tcmalloc preloaded "
         "(LD_PRELOAD) where the system has libtcmalloc_minimal.so.4 and nothing preloads it "
         "already: MindSpore's tensors then start on a cache line (README, \"CPU: preload "
-        "tcmalloc\"); 0 keeps glibc's malloc. Offline scripts preload it themselves (a CPU "
-        "engine without it logs a warning; 0 silences it).",
+        "tcmalloc\"), and scripts/ray_cluster.py preloads it for a CPU node's Ray processes; "
+        "0 keeps glibc's malloc. Offline scripts preload it themselves (a CPU engine without "
+        "it logs a warning; 0 silences it).",
     ),
     "VLLM_MS_CPU_BF16_WIDEN": (
         _choice("VLLM_MS_CPU_BF16_WIDEN", ("auto", "1", "0"), "auto"),
@@ -145,6 +146,11 @@ def check_all() -> None:
     from model_backends import select_backend
 
     select_backend()
+
+
+def flag_in(environ: Mapping[str, str], name: str) -> bool:
+    """The flag `name` (a boolean above) as a process started with `environ` reads it."""
+    return ENVIRONMENT_VARIABLES[name][0](environ)
 
 
 def __getattr__(name: str) -> Any:
