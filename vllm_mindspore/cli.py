@@ -40,7 +40,8 @@ def installed_tcmalloc() -> str | None:
 def missing_tcmalloc_warning(maps: str) -> str | None:
     """What a CPU engine logs when tcmalloc is not among its process's mappings (`maps`, the text
     of /proc/self/maps) and VLLM_MS_CPU_TCMALLOC does not switch it off: a script that runs vLLM's
-    offline `LLM` without the preload, or a host without tcmalloc."""
+    offline `LLM` without the preload, a Ray worker of a node started by plain `ray start`, or a
+    host without tcmalloc."""
     from vllm_mindspore import envs
 
     if not envs.VLLM_MS_CPU_TCMALLOC or "tcmalloc" in maps:
@@ -51,7 +52,8 @@ def missing_tcmalloc_warning(maps: str) -> str | None:
            "script as LD_PRELOAD=/path/to/libtcmalloc_minimal.so.4 python script.py")
     return ("tcmalloc is not preloaded: MindSpore's CPU tensors (weights, KV cache, activations) "
             "then start 16 bytes into a cache line, and the kernels' steps ran 11-20% slower "
-            "(README, \"CPU: preload tcmalloc\"). The vllm-mindspore command preloads it itself; "
+            "(README, \"CPU: preload tcmalloc\"). The vllm-mindspore command preloads it itself, "
+            "and scripts/ray_cluster.py for the workers of a Ray node it starts; "
             f"for an offline script, {fix}. VLLM_MS_CPU_TCMALLOC=0 silences this warning.")
 
 
