@@ -184,19 +184,30 @@ def check_pyacl(env: dict[str, str]) -> None:
             "(docs/multi-node.md, 'pyACL').")
 
 
-def tcmalloc_for_ray(device: str, env: dict[str, str]) -> dict[str, str]:
+def tcmalloc_for_ray(device: str, env: dict[str, str]) -> str | None:
     """LD_PRELOAD with tcmalloc for the Ray processes of a CPU node. The plugin's workers are
     started by the node's raylet with the node's environment, not by the `vllm-mindspore` command,
-    which preloads it for itself (README, "CPU: preload tcmalloc"). {} on Ascend, with
+    which preloads it for itself (README, "CPU: preload tcmalloc"). None on Ascend, with
     VLLM_MS_CPU_TCMALLOC=0, when the environment preloads it already, or where it is not
     installed (the workers then log a warning that says how to install it)."""
     if device != CPU:
-        return {}
+        return None
     try:
-        preload = tcmalloc_preload(env)
+        return tcmalloc_preload(env)
     except ValueError as error:
         raise Refused(f"{error} (in the environment Ray would start with)") from error
-    return {"LD_PRELOAD": preload} if preload else {}
+
+
+def tcmalloc_status(state: dict) -> str:
+    """What `status` says of tcmalloc in this node's Ray processes (CPU only): the LD_PRELOAD
+    `start` gave them, this script's or the env file's own."""
+    if state["device"] != CPU:
+        return ""
+    preload = state.get("ld_preload") or ""
+    if "tcmalloc" in preload:
+        return f"; its workers preload {preload}"
+    return ("; its workers run without tcmalloc (VLLM_MS_CPU_TCMALLOC=0 or not installed: README, "
+            "\"CPU: preload tcmalloc\")")
 
 
 def gcs_nodes(address: str, timeout: float = 20) -> list[dict]:
@@ -417,13 +428,15 @@ def start(args, role: str) -> int:
         # Otherwise Ray replaces 127.0.0.1 by the host's routable address: the nodes listen there
         # and a driver (vllm-mindspore serve) looks for the GCS there. `env` exports it too.
         added["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray_env = {**env, **added, **preload}  # the serving shell gets `added`; it preloads for itself
+    ray_env = {**env, **added}  # the serving shell gets `added`; it preloads tcmalloc for itself
+    if preload:
+        ray_env["LD_PRELOAD"] = preload
 
     os.makedirs(args.state_dir, exist_ok=True)
     log_path = os.path.join(args.state_dir, "ray_start.log")
     say(f"{device} node: declaring {devices} {RESOURCE} (one per rank)"
         + (f", environment from {args.env_file}" if args.env_file else "")
-        + (f", tcmalloc preloaded for its workers ({preload['LD_PRELOAD']})" if preload else "")
+        + (f", tcmalloc preloaded for its workers ({preload})" if preload else "")
         + f"; ray start log: {log_path}")
     say("$ " + " ".join(shlex.quote(c) for c in cmd))
     with open(log_path, "wb") as log:
@@ -449,6 +462,7 @@ def start(args, role: str) -> int:
         "hostname": socket.gethostname(), "device": device, "devices": devices,
         "env_file": os.path.abspath(args.env_file) if args.env_file else None,
         "env_file_vars": file_vars, "env": watched(env, file_vars), "ray_env": added,
+        "ld_preload": ray_env.get("LD_PRELOAD"),  # what its Ray processes (and workers) preload
         "state_dir": args.state_dir, "command": cmd, "argv": list(sys.argv), "cwd": os.getcwd(),
     }
     write_state(args, state)
@@ -488,7 +502,8 @@ def cmd_status(args) -> int:
     if state:
         say(f"this node: {state['role']} of {address}, {state['device']}, {state['devices']} "
             f"{RESOURCE}, started {state['started']}"
-            + (f" with {state['env_file']}" if state.get("env_file") else ""))
+            + (f" with {state['env_file']}" if state.get("env_file") else "")
+            + tcmalloc_status(state))
     say(f"cluster {address}: {len(nodes)} node(s) alive")
     for node in sorted(nodes, key=lambda n: n["ip"]):
         res = node["resources"]

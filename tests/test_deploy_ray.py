@@ -153,6 +153,8 @@ def test_tp2_over_ray_matches_tp1(rehearsal, tp1_tokens, cluster, tmp_path):
                        rehearsal["env"], timeout=120)
     assert "NPU total: 2" in status.stdout and "needs 2 NPU: fits" in status.stdout, status.stdout
     assert "environment: unchanged since ray start" in status.stdout
+    if installed_tcmalloc():
+        assert f"its workers preload {installed_tcmalloc()}" in status.stdout, status.stdout
 
     # `env` must carry what the driver needs: RAY_ADDRESS and the loopback switch.
     exported = script(rehearsal, "env", expect_rc=0).stdout
@@ -272,16 +274,23 @@ def test_a_cpu_node_preloads_tcmalloc_for_its_ray_processes(monkeypatch, tmp_pat
     library.write_bytes(b"")
     monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"), str(library)))
     preload = ray_cluster.tcmalloc_for_ray
-    assert preload("CPU", {"LD_PRELOAD": "/opt/other.so"}) == {"LD_PRELOAD": f"{library}:/opt/other.so"}
-    assert preload("CPU", {}) == {"LD_PRELOAD": str(library)}
+    assert preload("CPU", {"LD_PRELOAD": "/opt/other.so"}) == f"{library}:/opt/other.so"
+    assert preload("CPU", {}) == str(library)
     # On Ascend, switched off, or preloaded already by the env file: nothing added.
-    assert preload("Ascend", {}) == {}
-    assert preload("CPU", {"VLLM_MS_CPU_TCMALLOC": "0"}) == {}
-    assert preload("CPU", {"LD_PRELOAD": str(library)}) == {}
+    assert preload("Ascend", {}) is None
+    assert preload("CPU", {"VLLM_MS_CPU_TCMALLOC": "0"}) is None
+    assert preload("CPU", {"LD_PRELOAD": str(library)}) is None
     with pytest.raises(ray_cluster.Refused, match="VLLM_MS_CPU_TCMALLOC='sometimes' is not a boolean"):
         preload("CPU", {"VLLM_MS_CPU_TCMALLOC": "sometimes"})
     monkeypatch.setattr(cli, "TCMALLOC_PATHS", (str(tmp_path / "absent.so"),))
-    assert preload("CPU", {}) == {}
+    assert preload("CPU", {}) is None
+    # `status` reports what the node's Ray processes preload: the script's or the env file's.
+    report = ray_cluster.tcmalloc_status
+    assert report({"device": "CPU", "ld_preload": f"{library}:/opt/other.so"}) == (
+        f"; its workers preload {library}:/opt/other.so")
+    assert "without tcmalloc" in report({"device": "CPU", "ld_preload": "/opt/other.so"})
+    assert "without tcmalloc" in report({"device": "CPU", "ld_preload": None})
+    assert report({"device": "Ascend", "ld_preload": None}) == ""
 
 
 def test_stop_leaves_no_ray_process_and_spares_other_ray_processes(rehearsal, cluster):

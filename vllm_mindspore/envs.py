@@ -58,7 +58,8 @@ def _positive_number(name: str, default: str | None) -> Callable[[], float | Non
     return read
 
 
-ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+# name -> (its reader: the current environment, or a flag's from `environ` as well; its doc)
+ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[..., Any], str]] = {
     "VLLM_MS_DISABLE_PLATFORM": (
         _flag("VLLM_MS_DISABLE_PLATFORM"),
         "1: the platform entry point stays inactive (vLLM falls back to its own platform detection).",
