@@ -147,6 +147,10 @@ class StepInputs(NamedTuple):
     num_scheduled: np.ndarray  # [R] tokens of each request this step
     logits_index: np.ndarray  # [N]: last token of each request, then prompt-logprob tokens
     prompt_rows: dict[str, PromptRows]  # requests scoring prompt tokens this step
+    # [S] int64, the requests that sample a token this step: those that reach their prompt's
+    # end (a chunked prefill's earlier chunks sample nothing)
+    sampling_rows: np.ndarray
+    one_token_each: bool  # every request computes one token (a step of decodes)
 
     @property
     def padded_tokens(self) -> int:
@@ -356,17 +360,29 @@ class MindSporeModelRunner:
         batch.refresh_metadata()
 
     def _prepare_inputs(self, scheduler_output) -> StepInputs:
+        # Each numpy call here and in sample_tokens costs ~5-25 us on the caches a step's graph
+        # has just flushed (its weights and KV cache pass through them): ~0.4 ms of a batch-1
+        # step, so a step of decodes takes the shortest way.
         batch = self.input_batch
         num_reqs = batch.num_reqs
         num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids],
                                  np.int32)
-        query_start_loc = np.zeros(num_reqs + 1, np.int32)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int32)
-        request_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
-        positions = (num_computed[request_of_token] + np.arange(query_start_loc[-1])
-                     - query_start_loc[request_of_token]).astype(np.int32)
+        # Every request in the batch is scheduled (`_update_states`), with a token at least.
+        one_token_each = scheduler_output.total_num_scheduled_tokens == num_reqs
+        if one_token_each:
+            query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+            request_of_token = query_start_loc[:-1]
+            positions = num_computed
+        else:
+            query_start_loc = np.zeros(num_reqs + 1, np.int32)
+            np.cumsum(num_scheduled, out=query_start_loc[1:])
+            request_of_token = np.repeat(np.arange(num_reqs), num_scheduled)
+            positions = (num_computed[request_of_token] + np.arange(query_start_loc[-1])
+                         - query_start_loc[request_of_token]).astype(np.int32)
         input_ids = batch.token_ids_cpu[request_of_token, positions].astype(np.int32)
+        sampling_rows = np.flatnonzero(
+            num_computed + num_scheduled >= batch.num_tokens_no_spec[:num_reqs])
         logits_index = [query_start_loc[1:] - 1]
         prompt_rows = {}
         for req_id in self.num_prompt_logprobs:
@@ -387,15 +403,18 @@ class MindSporeModelRunner:
         calls, start = [], 0
         for count, padded in sizes:
             end = start + count
-            # Each request's tokens inside [start, end), and before it (context for this call).
-            inside = (np.clip(query_start_loc[1:], start, end)
-                      - np.clip(query_start_loc[:-1], start, end))
-            before = np.clip(start - query_start_loc[:-1], 0, num_scheduled)
+            if len(sizes) == 1:
+                inside, context = num_scheduled, num_computed
+            else:  # each request's tokens inside [start, end), and its context before them
+                inside = (np.clip(query_start_loc[1:], start, end)
+                          - np.clip(query_start_loc[:-1], start, end))
+                context = num_computed + np.clip(start - query_start_loc[:-1], 0, num_scheduled)
             calls.append(self._graph_call(input_ids[start:end], positions[start:end], inside,
-                                          num_computed + before, padded))
+                                          context, padded))
             start = end
-        return StepInputs(calls, num_scheduled, np.concatenate(logits_index).astype(np.int64),
-                          prompt_rows)
+        logits_index = logits_index[0] if len(logits_index) == 1 else np.concatenate(logits_index)
+        return StepInputs(calls, num_scheduled, logits_index.astype(np.int64), prompt_rows,
+                          sampling_rows, one_token_each)
 
     def _graph_call(self, input_ids, positions, num_scheduled, num_computed,
                     num_tokens) -> GraphCall:
@@ -428,9 +447,8 @@ class MindSporeModelRunner:
     def _decodes_only(self, inputs: StepInputs) -> bool:
         """A step of one graph call, whose logits rows are its tokens in order (one token a
         request, no prompt logprobs), padded to a size `decode` was compiled for."""
-        return (len(inputs.calls) == 1 and not inputs.prompt_rows
-                and self.sizes.runs_decode(len(inputs.calls[0].input_ids))
-                and bool((inputs.num_scheduled == 1).all()))
+        return (inputs.one_token_each and len(inputs.calls) == 1 and not inputs.prompt_rows
+                and self.sizes.runs_decode(len(inputs.calls[0].input_ids)))
 
     def execute_dummy_batch(self) -> None:
         """Step of an idle DP engine while others run: the same collectives, no real token."""
@@ -464,32 +482,31 @@ class MindSporeModelRunner:
         self.pending = None
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        sample_logits = logits[:num_reqs]
+        sample_logits = logits if len(logits) == num_reqs else logits[:num_reqs]
         if grammar_output is not None:
             apply_grammar_bitmask(scheduler_output, grammar_output, batch, sample_logits)
         # A request still inside its prompt (chunked prefill) samples nothing this step: its
         # row is sampled with the others and dropped, without drawing from its seeded generator
         # (so its tokens equal an unchunked run's).
-        seq_lens = batch.num_computed_tokens_cpu[:num_reqs] + inputs.num_scheduled
-        partial = np.nonzero(seq_lens < batch.num_tokens_no_spec[:num_reqs])[0]
+        rows = inputs.sampling_rows
+        partial = set(range(num_reqs)) - set(rows.tolist()) if len(rows) < num_reqs else set()
         metadata = batch.sampling_metadata
-        if metadata.generators and len(partial):
+        if metadata.generators and partial:
             metadata = dataclasses.replace(metadata, generators={
-                i: g for i, g in metadata.generators.items() if i not in set(partial.tolist())})
+                i: g for i, g in metadata.generators.items() if i not in partial})
         sampler_output = self.sampler(sample_logits, metadata)
         sampled_ids = sampler_output.sampled_token_ids.numpy()  # [R, 1]
         sampled = sampled_ids.tolist()
         for i in partial:
             sampled[i] = []
 
-        rows = np.array([i for i, token_ids in enumerate(sampled) if token_ids], np.int64)
         if len(rows):
             tokens = sampled_ids[rows, 0]
             ends = batch.num_tokens_no_spec[rows]
             batch.token_ids_cpu[rows, ends] = tokens
             batch.is_token_ids[rows, ends] = True
             batch.num_tokens_no_spec[rows] = ends + 1
-            req_ids = batch.req_ids  # a property that builds the list on every read
+            req_ids = batch.req_ids
             for i, token in zip(rows.tolist(), tokens.tolist()):
                 self.requests[req_ids[i]].output_token_ids.append(token)
 
@@ -499,7 +516,8 @@ class MindSporeModelRunner:
             req_id_to_index=batch.req_id_to_index.copy(),
             sampled_token_ids=sampled,
             logprobs=logprobs.tolists() if logprobs is not None else None,
-            prompt_logprobs_dict=self._prompt_logprobs(inputs.prompt_rows, logits[num_reqs:]),
+            prompt_logprobs_dict=(self._prompt_logprobs(inputs.prompt_rows, logits[num_reqs:])
+                                  if inputs.prompt_rows else {}),
             pooler_output=[],
         )
         if self.log_steps:
