@@ -201,9 +201,9 @@ def tcmalloc_for_ray(device: str, env: dict[str, str]) -> str | None:
 def tcmalloc_status(state: dict) -> str:
     """What `status` says of tcmalloc in this node's Ray processes (CPU only): the LD_PRELOAD
     `start` gave them, this script's or the env file's own."""
-    if state["device"] != CPU:
+    if state["device"] != CPU or "ld_preload" not in state:  # a node started by an older script
         return ""
-    preload = state.get("ld_preload") or ""
+    preload = state["ld_preload"] or ""
     if "tcmalloc" in preload:
         return f"; its workers preload {preload}"
     return ("; its workers run without tcmalloc (VLLM_MS_CPU_TCMALLOC=0 or not installed: README, "

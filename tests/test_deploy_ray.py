@@ -291,6 +291,7 @@ def test_a_cpu_node_preloads_tcmalloc_for_its_ray_processes(monkeypatch, tmp_pat
     assert "without tcmalloc" in report({"device": "CPU", "ld_preload": "/opt/other.so"})
     assert "without tcmalloc" in report({"device": "CPU", "ld_preload": None})
     assert report({"device": "Ascend", "ld_preload": None}) == ""
+    assert report({"device": "CPU"}) == ""  # recorded by a script that did not say
 
 
 def test_stop_leaves_no_ray_process_and_spares_other_ray_processes(rehearsal, cluster):
