@@ -25,7 +25,10 @@ from conftest import PROMPTS, free_port, slow
 from test_reliability_helpers import (LOOPBACK, bound_sockets, leftover_processes,
                                       port_listening, process_tree, wait_until_gone)
 
-ARGS = ("--tensor-parallel-size", "2", "--max-model-len", "512", "--max-num-seqs", "4",
+# Streams as long as the model allows, so that they are still running when the fault comes even if
+# the test's client threads read their first chunk late (2 CPUs shared with four busy processes).
+MAX_TOKENS = 960
+ARGS = ("--tensor-parallel-size", "2", "--max-model-len", "1024", "--max-num-seqs", "4",
         "--kv-cache-memory-bytes", str(8 << 20), "--max-num-batched-tokens", "16")
 
 
@@ -39,7 +42,7 @@ def model(tiny_model_factory, tmp_path):
 
 def _stream(server, prompt: str, started: threading.Event) -> dict:
     result = {"chunks": 0, "finish_reason": None, "error": None, "transport_error": None}
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 400, "temperature": 0,
+    body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
     try:
         with httpx.stream("POST", server.url + "/v1/completions", json=body,
@@ -57,6 +60,7 @@ def _stream(server, prompt: str, started: threading.Event) -> dict:
     except httpx.HTTPError as error:
         result["transport_error"] = repr(error)
     finally:
+        result["ended_at"] = time.time()
         started.set()
     return result
 
@@ -75,8 +79,10 @@ def _fault_under_load(server, fault) -> tuple[list[dict], float]:
 
 def _assert_stopped_with_error(server, model, results, fault_at, cause: str):
     for result in results:
-        assert result["chunks"] and result["finish_reason"] is None, result
-        assert result["error"] or result["transport_error"], result
+        ended = f"stream ended {result['ended_at'] - fault_at:+.2f} s from the fault"
+        assert result["chunks"] and result["finish_reason"] is None, (
+            result, ended, server.log_tail(6000))
+        assert result["error"] or result["transport_error"], (result, ended)
     wait_until_gone(server, model, 30)
     stopped = time.time() - fault_at
     assert stopped < 30
