@@ -109,16 +109,18 @@ class ModelBackend(Protocol):
     def compile_logits(self, num_rows: int) -> None:
         """Compile the logits graph for `num_rows` rows (any row count under dynamic shapes)."""
 
-    def logits(self, hidden: "ms.Tensor") -> "ms.Tensor":
-        """Rows [N, hidden_size] of `forward`'s output -> logits [N, vocab] float32."""
+    def logits(self, hidden: "ms.Tensor") -> tuple["ms.Tensor", "ms.Tensor"]:
+        """Rows [N, hidden_size] of `forward`'s output -> (logits [N, vocab] float32, each
+        row's argmax [N] int32, as torch.argmax picks it: `ops.GreedyTokens`), one graph. The
+        runner reads only the tokens when they are what vLLM's sampler would return."""
 
     def compile_decode(self, step: StepTensors) -> None:
         """Compile `decode` for `step`'s shapes without running it."""
 
-    def decode(self, step: StepTensors) -> "ms.Tensor":
-        """`logits(forward(step))` over all T rows -> logits [T, vocab] float32: the runner's
-        call for a step of decodes (one token a request, every token sampled). A backend runs
-        it as one graph where it can: one graph call a step instead of two."""
+    def decode(self, step: StepTensors) -> tuple["ms.Tensor", "ms.Tensor"]:
+        """`logits(forward(step))` over all T rows -> (logits [T, vocab], tokens [T]): the
+        runner's call for a step of decodes (one token a request, every token sampled). A
+        backend runs it as one graph where it can: one graph call a step instead of two."""
 
     def num_compiled_graphs(self) -> int:
         """Graphs compiled so far (a step that raises it recompiled: the runner warns)."""

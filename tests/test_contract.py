@@ -101,15 +101,19 @@ def test_native_backend_fulfils_the_contract(monkeypatch, graph_mode, tiny_model
         assert tuple(hidden.shape) == (len(tensors.input_ids), backend.hidden_size)
         padded = np.zeros((rows, backend.hidden_size), np.float32)
         padded[:count] = hidden.asnumpy()[:count]
-        logits = backend.logits(ms.Tensor(padded)).asnumpy()[:count]
-        assert logits.dtype == np.float32
+        logits, tokens = (t.asnumpy() for t in backend.logits(ms.Tensor(padded)))
+        assert logits.dtype == np.float32 and tokens.dtype == np.int32
+        # The head's greedy tokens: torch's argmax of its logits, padding rows included.
+        np.testing.assert_array_equal(tokens, torch.from_numpy(logits).argmax(-1).numpy())
+        logits = logits[:count]
         return torch.log_softmax(torch.from_numpy(logits).double(), -1)
 
     ours_prefill = logprobs(prefill, sum(len(p) for p in PROMPTS))
     ours_decode = logprobs(decode, len(decode_ids))
     # A step of decodes in one graph: the same logits as the decoder's graph then the head's.
-    decoded = torch.from_numpy(backend.decode(decode).asnumpy())
+    decoded, decoded_tokens = (torch.from_numpy(t.asnumpy()) for t in backend.decode(decode))
     assert tuple(decoded.shape) == (len(decode_ids), hf_config.vocab_size)
+    assert decoded_tokens.tolist() == decoded.argmax(-1).tolist()
     torch.testing.assert_close(torch.log_softmax(decoded.double(), -1), ours_decode,
                                atol=1e-5, rtol=0)
     assert backend.num_compiled_graphs() == compiled  # no step compiled another graph

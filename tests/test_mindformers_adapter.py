@@ -136,9 +136,10 @@ def run_step(backend, scheduled: list[tuple[Request, int]]) -> None:
 
     rows = np.zeros((8, hidden.shape[1]), hidden.dtype)  # a compiled logits row count
     rows[:len(samplers)] = hidden[[index for _, index in samplers]]
-    logits = backend.logits(ms.Tensor(rows)).asnumpy()
+    logits, tokens = (t.asnumpy() for t in backend.logits(ms.Tensor(rows)))
     for row, (request, _) in enumerate(samplers):
         logprobs = torch.log_softmax(torch.from_numpy(logits[row]).double(), -1).numpy()
+        assert tokens[row] == torch.from_numpy(logits[row]).argmax()  # the head's greedy token
         request.generated.append(int(logprobs.argmax()))
         request.tokens.append(request.generated[-1])
         request.logprobs.append(logprobs)

@@ -185,11 +185,16 @@ def test_kernel_random_sampling_follows_a_large_vocabulary():
 def test_kernel_greedy_argmax_picks_torch_argmax_tokens():
     """The runner's greedy argmax (C++) against torch.argmax: ties (the first maximum wins, in
     the 16-lane loop and in the tail), rows of -inf, NaN (the first NaN wins), vocabularies that
-    are not a multiple of 16, a row view with a stride, and rows enough for both kernel threads."""
+    are not a multiple of 16, a row view with a stride, and rows enough for both kernel threads;
+    the same kernel as the logits head's operator (`ops.GreedyTokens`, int32 tokens)."""
+    import mindspore as ms
     from vllm.v1.sample.sampler import Sampler
 
+    from vllm_mindspore.ops import GreedyTokens
     from vllm_mindspore.patches import SAMPLER_PATCHES, apply
     from vllm_mindspore.worker.sampling import greedy_argmax
+
+    in_graph = GreedyTokens()
 
     generator = torch.Generator().manual_seed(0)
     for rows, vocab in ((5, 1), (7, 15), (9, 16), (33, 8003), (130, 8000)):
@@ -202,8 +207,85 @@ def test_kernel_greedy_argmax_picks_torch_argmax_tokens():
             logits[3, vocab - 1] = float("nan")
             logits[4, 1:] = logits[4, 0] = 9.0  # every lane's first value ties with token 0
         assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1)), (rows, vocab)
+        tokens = in_graph(ms.Tensor(logits.numpy())).asnumpy()
+        assert tokens.dtype == "int32" and tokens.tolist() == logits.argmax(-1).tolist()
     wide = torch.randn(6, 8100, generator=generator)
     view = wide[:, :8000]  # rows 8100 floats apart
     assert torch.equal(greedy_argmax(view), view.argmax(dim=-1))
     apply(SAMPLER_PATCHES)
     assert torch.equal(Sampler.greedy_sample(wide), wide.argmax(dim=-1))
+
+
+def test_argmax_is_the_sample_only_for_plain_greedy_batches(model_dir):
+    """A step of decodes reads the logits head's greedy tokens instead of running vLLM's
+    sampler only when the sampler would return the raw argmax: checked on vLLM's own InputBatch
+    for every sampling parameter that changes a greedy token (the engine tests of this file and
+    tests/test_reliability_serving.py see each take effect), a custom logits processor, and a
+    mixed batch. vLLM's SamplingMetadata and built-in processors are pinned to the ones the
+    rule was written for, so that a vLLM upgrade reviews it."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, build_logitsprocs
+    from vllm.v1.sample.logits_processor.interface import LogitsProcessor
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    from vllm_mindspore.worker.sampling import argmax_is_the_sample
+
+    assert {f.name for f in dataclasses.fields(SamplingMetadata)} == {
+        "temperature", "all_greedy", "all_random", "top_p", "top_k", "generators",
+        "max_num_logprobs", "no_penalties", "prompt_token_ids", "frequency_penalties",
+        "presence_penalties", "repetition_penalties", "output_token_ids",
+        "allowed_token_ids_mask", "bad_words_token_ids", "logitsprocs", "logprob_token_ids",
+        "spec_token_ids", "thinking_budget_state_holder"}
+    assert [c.__name__ for c in BUILTIN_LOGITS_PROCESSORS] == [
+        "MinTokensLogitsProcessor", "LogitBiasLogitsProcessor", "MinPLogitsProcessor"]
+
+    class Custom(LogitsProcessor):
+        def __init__(self, *args):
+            pass
+
+        @classmethod
+        def validate_params(cls, params):
+            pass
+
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, batch_update):
+            pass
+
+        def apply(self, logits):
+            return logits
+
+    config = VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=64))
+
+    def plain_greedy(*requests: SamplingParams, custom=()) -> bool:
+        batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64,
+                           device=torch.device("cpu"), vocab_size=1000, block_sizes=[16],
+                           max_num_blocks_per_req=[4],
+                           logitsprocs=build_logitsprocs(config, torch.device("cpu"), False,
+                                                         False, custom))
+        for i, params in enumerate(requests):
+            batch.add_request(CachedRequestState(
+                req_id=str(i), prompt_token_ids=[1, 2, 3], mm_features=[],
+                sampling_params=params, generator=None, block_ids=([0],),
+                num_computed_tokens=0, output_token_ids=[]))
+        batch.refresh_metadata()
+        return argmax_is_the_sample(batch.sampling_metadata)
+
+    greedy = SamplingParams(temperature=0)
+    bad_words = SamplingParams(temperature=0)
+    bad_words._bad_words_token_ids = [[7]]
+    assert plain_greedy(greedy, SamplingParams(temperature=0, min_p=0.5, top_k=3))
+    for changed in (SamplingParams(temperature=0.8), SamplingParams(temperature=0, logprobs=2),
+                    SamplingParams(temperature=0, repetition_penalty=1.2),
+                    SamplingParams(temperature=0, presence_penalty=0.5),
+                    SamplingParams(temperature=0, frequency_penalty=0.5),
+                    SamplingParams(temperature=0, logit_bias={5: 10.0}),
+                    SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[2]),
+                    SamplingParams(temperature=0, allowed_token_ids=[1, 2]), bad_words):
+        assert not plain_greedy(greedy, changed), changed
+    assert not plain_greedy(greedy, custom=(Custom,))

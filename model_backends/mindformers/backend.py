@@ -31,6 +31,7 @@ from model_backends.mindformers.config import (MLA_ARCHITECTURES, UnsupportedByM
                                                mindformers_config)
 from model_backends.native.checkpoint import WeightLoadError, safetensors_files
 from model_backends.native.weights import is_mtp_tensor
+from vllm_mindspore.ops import GreedyTokens
 from vllm_mindspore.ops.attention import prefill_mask
 from vllm_mindspore.ops.host import zeros_parameter
 from vllm_mindspore.platform import ASCEND, DEVICE, kernel_device
@@ -61,14 +62,17 @@ class _CheckpointSlice:
 
 
 class LogitsHead(nn.Cell):
-    """hidden [N, hidden] (final-normed) -> logits [N, vocab] float32."""
+    """hidden [N, hidden] (final-normed) -> (logits [N, vocab] float32, their greedy tokens [N]
+    int32)."""
 
     def __init__(self, output_layer: nn.Cell):
         super().__init__()
         self.output_layer = output_layer
+        self.greedy = GreedyTokens()
 
     def construct(self, hidden):
-        return self.output_layer(hidden).astype(ms.float32)
+        logits = self.output_layer(hidden).astype(ms.float32)
+        return logits, self.greedy(logits)
 
 
 def check_supported(vllm_config, precision: Precision) -> str:
@@ -377,8 +381,8 @@ class MindFormersBackend:
         self.logits_head.compile(ms.Tensor(np.zeros((num_rows, self.hidden_size), np.float32),
                                            self.precision.ms_compute))
 
-    def logits(self, hidden: ms.Tensor) -> ms.Tensor:
-        """hidden [N, hidden] -> [N, vocab] float32."""
+    def logits(self, hidden: ms.Tensor) -> tuple[ms.Tensor, ms.Tensor]:
+        """hidden [N, hidden] -> (logits [N, vocab] float32, greedy tokens [N] int32)."""
         return self.logits_head(hidden)
 
     def compile_decode(self, step) -> None:
@@ -389,10 +393,10 @@ class MindFormersBackend:
             self.compile_step(step)
         self.compile_logits(len(step.input_ids))
 
-    def decode(self, step) -> ms.Tensor:
-        """StepTensors (T decodes) -> logits [T, vocab]: the network's graph, then the head's
-        (two calls: the mcore forward is mindformers' own jit-wrapped function, not wrapped in
-        a graph of ours)."""
+    def decode(self, step) -> tuple[ms.Tensor, ms.Tensor]:
+        """StepTensors (T decodes) -> (logits [T, vocab], tokens [T]): the network's graph,
+        then the head's (two calls: the mcore forward is mindformers' own jit-wrapped function,
+        not wrapped in a graph of ours)."""
         return self.logits(self.forward(step))
 
     def num_compiled_graphs(self) -> int:

@@ -54,7 +54,7 @@ class StaticGraphs:
 class StepGraph(nn.Cell):
     """The decoder over StepTensors' six tensors (the graph's inputs, under the same names) with
     `prefill_only` fixed, followed by the logits head where there is one: logits [T, vocab]
-    float32 of every token (a step of decodes samples each one).
+    float32 of every token and their greedy tokens [T] (a step of decodes samples each one).
 
     Dynamic shapes: MindSpore's `set_inputs` pins a bool input to the value it was given, so
     each `prefill_only` value is a StepGraph of its own (one graph for steps of first prefills,
@@ -147,7 +147,7 @@ class NativeBackend:
         hidden = np.zeros((num_rows, self.hidden_size), np.float32)
         (self.head_graphs or self.head).compile(ms.Tensor(hidden, self.precision.ms_compute))
 
-    def logits(self, hidden: ms.Tensor) -> ms.Tensor:
+    def logits(self, hidden: ms.Tensor) -> tuple[ms.Tensor, ms.Tensor]:
         return (self.head_graphs or self.head)(hidden)
 
     # The decode graph (static shapes) takes the six tensors: its `prefill_only` is False, as
@@ -156,7 +156,7 @@ class NativeBackend:
         if self.decode_graphs:  # dynamic shapes: `decode` runs the two graphs compiled already
             self.decode_graphs.compile(*step[:-1])
 
-    def decode(self, step: StepTensors) -> ms.Tensor:
+    def decode(self, step: StepTensors) -> tuple[ms.Tensor, ms.Tensor]:
         if self.decode_graphs:
             return self.decode_graphs(*step[:-1])
         return self.logits(self.forward(step))

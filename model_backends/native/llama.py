@@ -16,7 +16,8 @@ from model_backends.native.layers import (ColumnParallelLinear, Linear, Parallel
                                           VocabParallelEmbedding, even_split, fuse_linears,
                                           tp_rank_and_size)
 from vllm_mindspore import envs
-from vllm_mindspore.ops import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
+from vllm_mindspore.ops import (AttentionMetadata, GreedyTokens, PagedAttention, RMSNorm,
+                                RotaryEmbedding)
 from vllm_mindspore.ops.decoder import DecoderLayersKernel, DecoderLayerTensors
 from vllm_mindspore.ops.host import zeros_parameter
 
@@ -212,15 +213,18 @@ class LlamaModel(nn.Cell):
 
 
 class LogitsHead(nn.Cell):
-    """hidden [N, hidden] (last layer, before the final norm) -> logits [N, vocab] float32."""
+    """hidden [N, hidden] (last layer, before the final norm) -> (logits [N, vocab] float32,
+    their greedy tokens [N] int32)."""
 
     def __init__(self, norm: RMSNorm, lm_head: ParallelLMHead):
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.greedy = GreedyTokens()
 
     def construct(self, hidden):
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        return logits, self.greedy(logits)
 
 
 class LlamaForCausalLM(nn.Cell):

@@ -6,7 +6,8 @@ the fused Ascend kernels on NPUs. Model code never branches on the device.
 """
 
 from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention
+from vllm_mindspore.ops.greedy import GreedyTokens
 from vllm_mindspore.ops.norm import RMSNorm
 from vllm_mindspore.ops.rotary import RotaryEmbedding
 
-__all__ = ["AttentionMetadata", "PagedAttention", "RMSNorm", "RotaryEmbedding"]
+__all__ = ["AttentionMetadata", "GreedyTokens", "PagedAttention", "RMSNorm", "RotaryEmbedding"]

@@ -11,6 +11,8 @@ The model is a `ModelBackend` (model_backends/contract.py) and runs as two MindS
 decoder over the step's tokens (`StepTensors`) -> hidden states, and the logits head (final
 norm + LM head) over the rows that are sampled. A step of decodes (one token a request, each
 sampled) runs both in one call (`ModelBackend.decode`): the head's rows are the decoder's.
+The head also takes each row's argmax; a step of decodes whose requests are all plain greedy
+reads only those tokens, not the logits, and skips vLLM's sampler (`argmax_is_the_sample`).
 On CPU the graphs are compiled for a fixed set of sizes (`GraphSizes`: steps are padded to the
 next one) during warm-up, so no step compiles; on Ascend they are compiled once with dynamic
 shapes.
@@ -27,7 +29,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingType
 from vllm.utils.math_utils import cdiv
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput,
+                              SamplerOutput)
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -41,6 +44,7 @@ from vllm_mindspore.heap import frozen_heap
 from vllm_mindspore.ops import AttentionMetadata
 from vllm_mindspore.patches import SAMPLER_PATCHES, apply
 from vllm_mindspore.platform import ASCEND, DEVICE, precision_for
+from vllm_mindspore.worker.sampling import argmax_is_the_sample
 
 logger = init_logger("vllm.vllm_mindspore.model_runner")
 
@@ -157,12 +161,24 @@ class StepInputs(NamedTuple):
         return sum(len(call.input_ids) for call in self.calls)
 
 
+class HeadOutputs(NamedTuple):
+    """A step of decodes' head outputs, left in MindSpore until `sample_tokens` knows whether
+    it needs the logits or only their greedy tokens."""
+
+    logits: ms.Tensor  # [T, vocab] float32, T the call's padded token count
+    tokens: ms.Tensor  # [T] int32, each row's argmax
+    count: int  # the step's rows
+
+    def rows(self) -> torch.Tensor:
+        return torch.from_numpy(self.logits.asnumpy()[:self.count])
+
+
 class PendingStep(NamedTuple):
     """What execute_model leaves for sample_tokens."""
 
     scheduler_output: object
     inputs: StepInputs
-    logits: torch.Tensor  # [N, vocab] float32
+    logits: torch.Tensor | HeadOutputs  # [N, vocab] float32
     start: float
 
 
@@ -294,7 +310,7 @@ class MindSporeModelRunner:
             padded = np.zeros((self.sizes.padded_rows(len(chunk)), hidden.shape[1]),
                               hidden.dtype)
             padded[:len(chunk)] = hidden[chunk]
-            logits = self.backend.logits(ms.Tensor.from_numpy(padded)).asnumpy()
+            logits = self.backend.logits(ms.Tensor.from_numpy(padded))[0].asnumpy()
             chunks.append(torch.from_numpy(logits[:len(chunk)]))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -467,8 +483,7 @@ class MindSporeModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         if self._decodes_only(inputs):
             call = inputs.calls[0]
-            logits = torch.from_numpy(
-                self.backend.decode(call.step_tensors()).asnumpy()[:call.count])
+            logits = HeadOutputs(*self.backend.decode(call.step_tensors()), call.count)
         else:
             logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
         if self.backend.num_compiled_graphs() != self.num_graphs:
@@ -483,20 +498,22 @@ class MindSporeModelRunner:
         self.pending = None
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        sample_logits = logits if len(logits) == num_reqs else logits[:num_reqs]
-        if grammar_output is not None:
-            apply_grammar_bitmask(scheduler_output, grammar_output, batch, sample_logits)
         # A request still inside its prompt (chunked prefill) samples nothing this step: its
         # row is sampled with the others and dropped, without drawing from its seeded generator
         # (so its tokens equal an unchunked run's).
         rows = inputs.sampling_rows
         partial = set(range(num_reqs)) - set(rows.tolist()) if len(rows) < num_reqs else set()
-        metadata = batch.sampling_metadata
-        if metadata.generators and partial:
-            metadata = dataclasses.replace(metadata, generators={
-                i: g for i, g in metadata.generators.items() if i not in partial})
-        sampler_output = self.sampler(sample_logits, metadata)
-        sampled_ids = sampler_output.sampled_token_ids.numpy()  # [R, 1]
+        if (isinstance(logits, HeadOutputs) and grammar_output is None
+                and argmax_is_the_sample(batch.sampling_metadata)):
+            sampled_ids, logprobs = logits.tokens.asnumpy()[:num_reqs, None], None  # [R, 1]
+        else:
+            if isinstance(logits, HeadOutputs):
+                logits = logits.rows()
+            sample_logits = logits if len(logits) == num_reqs else logits[:num_reqs]
+            sampler_output = self._sample(sample_logits, scheduler_output, grammar_output,
+                                          partial)
+            sampled_ids = sampler_output.sampled_token_ids.numpy()  # [R, 1]
+            logprobs = sampler_output.logprobs_tensors
         sampled = sampled_ids.tolist()
         for i in partial:
             sampled[i] = []
@@ -511,7 +528,6 @@ class MindSporeModelRunner:
             for i, token in zip(rows.tolist(), tokens.tolist()):
                 self.requests[req_ids[i]].output_token_ids.append(token)
 
-        logprobs = sampler_output.logprobs_tensors
         output = ModelRunnerOutput(
             req_ids=batch.req_ids.copy(),
             req_id_to_index=batch.req_id_to_index.copy(),
@@ -526,6 +542,19 @@ class MindSporeModelRunner:
                         num_reqs, int(inputs.num_scheduled.sum()), inputs.padded_tokens,
                         len(inputs.calls), self.num_graphs, (time.perf_counter() - start) * 1e3)
         return output
+
+    def _sample(self, logits: torch.Tensor, scheduler_output, grammar_output,
+                partial: set[int]) -> SamplerOutput:
+        """vLLM's sampler over the step's rows [R, vocab] (the `partial` rows' tokens are
+        dropped, so their seeded generators are left alone)."""
+        batch = self.input_batch
+        if grammar_output is not None:
+            apply_grammar_bitmask(scheduler_output, grammar_output, batch, logits)
+        metadata = batch.sampling_metadata
+        if metadata.generators and partial:
+            metadata = dataclasses.replace(metadata, generators={
+                i: g for i, g in metadata.generators.items() if i not in partial})
+        return self.sampler(logits, metadata)
 
     def _prompt_logprobs(self, rows: dict[str, PromptRows],
                          logits: torch.Tensor) -> dict[str, LogprobsTensors | None]:

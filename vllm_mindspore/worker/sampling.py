@@ -7,6 +7,12 @@ elsewhere: 0.5 ms for 64 rows of an 8000-token vocabulary on the worker's one to
 
 Random: vLLM's sampling with its exponential noise drawn in C++.
 
+Plain greedy: when vLLM's sampler would return each row's argmax of the raw logits and nothing
+else (`argmax_is_the_sample`), the runner takes the tokens the logits head's graph computed
+(`ops.GreedyTokens`) and skips the sampler and the logits' copy to the host: the runner's host
+work of a batch-1 bfloat16 step ~340 -> ~210 us (of ~2.3 ms), of a 64-request float32 decode
+step ~1.4 -> ~0.7 ms (of ~22 ms; the graph's argmax costs ~0.1-0.3 ms of it back).
+
 vLLM's `random_sample(probs, generators)` divides the probabilities by Exp(1) noise from
 torch's `exponential_()` and takes the argmax. On CPU that noise costs ~1.2 ms for 8 rows of an
 8000-token vocabulary (a tenth of a decode step of this project's demo model); vLLM's own CPU
@@ -20,6 +26,9 @@ import ctypes
 import functools
 
 import torch
+from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                     MinTokensLogitsProcessor)
+from vllm.v1.sample.metadata import SamplingMetadata
 
 from vllm_mindspore.ops.kernels import library_path
 
@@ -79,3 +88,27 @@ def with_kernel_noise(random_sample):
         return exponential_race_argmax(probs, seeds)
 
     return kernel_random_sample
+
+
+def argmax_is_the_sample(metadata: SamplingMetadata) -> bool:
+    """Whether vLLM 0.33's `Sampler` returns each row's argmax of the raw logits and nothing
+    else for this batch: every request greedy, no logprobs, and nothing that changes the logits
+    before the argmax (`Sampler.apply_logits_processors`: allowed token ids, bad words,
+    penalties, a thinking budget, and the processors that can change an argmax, of which only
+    vLLM's min_tokens and logit_bias are known, and only while no request uses them). The
+    caller also needs no structured-output bitmask and no prompt logprobs this step.
+    tests/test_sampling.py pins the fields read here to this vLLM's."""
+    holder = metadata.thinking_budget_state_holder
+    return (metadata.all_greedy and metadata.max_num_logprobs is None
+            and not metadata.logprob_token_ids and metadata.no_penalties
+            and metadata.allowed_token_ids_mask is None and not metadata.bad_words_token_ids
+            and (holder is None or not holder.has_tracked_requests())
+            and all(_leaves_argmax(p) for p in metadata.logitsprocs.non_argmax_invariant))
+
+
+def _leaves_argmax(processor) -> bool:
+    if type(processor) is MinTokensLogitsProcessor:
+        return not processor.min_toks
+    if type(processor) is LogitBiasLogitsProcessor:
+        return not processor.biases
+    return False  # a custom processor: it may change any row

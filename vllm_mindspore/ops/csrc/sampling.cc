@@ -3,7 +3,9 @@
 // one pass, one logarithm per token, no [rows, vocab] noise tensor. torch's exponential_() fills
 // 8 x 8000 values in ~1.2 ms on this project's CPUs, a tenth of a decode step. Greedy: the argmax
 // of each row, a vector at a time (torch's argmax on the worker's one torch thread: 0.5 ms for
-// 64 x 8000 logits).
+// 64 x 8000 logits), for vLLM's sampler and as an operator of the logits head's graph. Its rows
+// are split between the threads from 131072 logits: the head's two threads have just written
+// each row's halves, and one thread reading them all took 0.1-0.2 ms more at 64 x 8000.
 
 #include <cmath>
 #include <algorithm>
@@ -42,6 +44,47 @@ inline f32x8 log_lanes(f32x8 x) {
 }
 
 constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;  // SplitMix64's increment
+
+// out[r] = the first j where row r of logits (rows `stride` floats apart) takes its maximum, as
+// torch.argmax: the first NaN if the row has one, 0 for a row of -inf.
+template <typename Index>
+void greedy_argmax(const float *logits, int64_t rows, int64_t vocab, int64_t stride, Index *out) {
+  vllm_ms::parallel_for(rows, [&](int64_t r) {
+    const float *row = logits + r * stride;
+    using vllm_ms::int_lanes, vllm_ms::kLanes, vllm_ms::lanes;
+    int_lanes lane;
+    for (int i = 0; i < kLanes; ++i) lane[i] = i;
+    lanes best = lanes{} - INFINITY, x;
+    int_lanes best_index = lane, nan = {};
+    int64_t j = 0;
+    for (; j + kLanes <= vocab; j += kLanes) {
+      std::memcpy(&x, row + j, sizeof(x));
+      const int_lanes better = x > best;  // strict: a lane keeps its first maximum
+      best = better ? x : best;
+      best_index = better ? lane + static_cast<int32_t>(j) : best_index;
+      nan |= x != x;
+    }
+    float top = best[0];
+    int64_t top_index = best_index[0];
+    bool has_nan = nan[0] != 0;
+    for (int i = 1; i < kLanes; ++i) {
+      has_nan |= nan[i] != 0;
+      if (best[i] > top || (best[i] == top && best_index[i] < top_index)) {
+        top = best[i];
+        top_index = best_index[i];
+      }
+    }
+    for (; j < vocab; ++j) {
+      has_nan |= row[j] != row[j];
+      if (row[j] > top) {
+        top = row[j];
+        top_index = j;
+      }
+    }
+    if (has_nan) top_index = std::find_if(row, row + vocab, [](float v) { return v != v; }) - row;
+    out[r] = static_cast<Index>(top_index);
+  }, rows * vocab >= vllm_ms::kParallelElements);
+}
 
 }  // namespace
 
@@ -90,45 +133,19 @@ void ExponentialRaceArgmax(const float *probs, int64_t rows, int64_t vocab,
   }, rows * vocab >= 4 * vllm_ms::kParallelElements);
 }
 
-// out[r] = the first j where row r of logits (rows `stride` floats apart) takes its maximum, as
-// torch.argmax: the first NaN if the row has one, 0 for a row of -inf.
+// vLLM's sampler (through ctypes): logits [rows, vocab] float32 -> out [rows] int64.
 void GreedyArgmax(const float *logits, int64_t rows, int64_t vocab, int64_t stride,
                   int64_t *out) {
-  vllm_ms::parallel_for(rows, [&](int64_t r) {
-    const float *row = logits + r * stride;
-    using vllm_ms::int_lanes, vllm_ms::kLanes, vllm_ms::lanes;
-    int_lanes lane;
-    for (int i = 0; i < kLanes; ++i) lane[i] = i;
-    lanes best = lanes{} - INFINITY, x;
-    int_lanes best_index = lane, nan = {};
-    int64_t j = 0;
-    for (; j + kLanes <= vocab; j += kLanes) {
-      std::memcpy(&x, row + j, sizeof(x));
-      const int_lanes better = x > best;  // strict: a lane keeps its first maximum
-      best = better ? x : best;
-      best_index = better ? lane + static_cast<int32_t>(j) : best_index;
-      nan |= x != x;
-    }
-    float top = best[0];
-    int64_t top_index = best_index[0];
-    bool has_nan = nan[0] != 0;
-    for (int i = 1; i < kLanes; ++i) {
-      has_nan |= nan[i] != 0;
-      if (best[i] > top || (best[i] == top && best_index[i] < top_index)) {
-        top = best[i];
-        top_index = best_index[i];
-      }
-    }
-    for (; j < vocab; ++j) {
-      has_nan |= row[j] != row[j];
-      if (row[j] > top) {
-        top = row[j];
-        top_index = j;
-      }
-    }
-    if (has_nan) top_index = std::find_if(row, row + vocab, [](float v) { return v != v; }) - row;
-    out[r] = top_index;
-  }, rows * vocab >= 4 * vllm_ms::kParallelElements);
+  greedy_argmax(logits, rows, vocab, stride, out);
+}
+
+// The logits head's graph (MindSpore AOT op): logits [N, vocab] float32 -> tokens [N] int32.
+int GreedyTokens(int nparam, void **params, int *ndims, int64_t **shapes, const char **,
+                 void *, void *) {
+  if (nparam != 2 || ndims[0] != 2) return 1;
+  greedy_argmax(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], shapes[0][1],
+                static_cast<int32_t *>(params[1]));
+  return 0;
 }
 
 }  // extern "C"
