@@ -178,7 +178,7 @@ class PendingStep(NamedTuple):
 
     scheduler_output: object
     inputs: StepInputs
-    logits: torch.Tensor | HeadOutputs  # [N, vocab] float32
+    logits: torch.Tensor | HeadOutputs  # [N, vocab] float32, or a step of decodes' outputs
     start: float
 
 
@@ -499,8 +499,7 @@ class MindSporeModelRunner:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         # A request still inside its prompt (chunked prefill) samples nothing this step: its
-        # row is sampled with the others and dropped, without drawing from its seeded generator
-        # (so its tokens equal an unchunked run's).
+        # row is sampled with the others and dropped (`_sample` leaves its generator alone).
         rows = inputs.sampling_rows
         partial = set(range(num_reqs)) - set(rows.tolist()) if len(rows) < num_reqs else set()
         if (isinstance(logits, HeadOutputs) and grammar_output is None
@@ -545,8 +544,9 @@ class MindSporeModelRunner:
 
     def _sample(self, logits: torch.Tensor, scheduler_output, grammar_output,
                 partial: set[int]) -> SamplerOutput:
-        """vLLM's sampler over the step's rows [R, vocab] (the `partial` rows' tokens are
-        dropped, so their seeded generators are left alone)."""
+        """vLLM's sampler over the step's rows [R, vocab]. The `partial` rows' tokens are
+        dropped, so they draw nothing from their seeded generators (a chunked prompt's tokens
+        then equal an unchunked run's)."""
         batch = self.input_batch
         if grammar_output is not None:
             apply_grammar_bitmask(scheduler_output, grammar_output, batch, logits)
