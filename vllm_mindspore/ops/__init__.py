@@ -1,8 +1,8 @@
 """Device kernels behind one interface per op.
 
 Each op is a `mindspore.nn.Cell` whose constructor picks the implementation for the device the
-platform detected: composite MindSpore ops on CPU (where no fused LLM kernel is registered) and
-the fused Ascend kernels on NPUs. Model code never branches on the device.
+platform detected: the plugin's C++ operators on CPU (`kernels.py`; MindSpore registers no fused
+LLM kernel there) and the fused Ascend kernels on NPUs. Model code never branches on the device.
 """
 
 from vllm_mindspore.ops.attention import AttentionMetadata, PagedAttention

@@ -4,7 +4,8 @@ whose every sampled request is plain greedy reads these tokens instead of the lo
 (`worker/sampling.py: argmax_is_the_sample`).
 
 CPU: the plugin's C++ kernel (`csrc/sampling.cc`), the same argmax vLLM's sampler takes on this
-platform (the first maximum; the first NaN, as torch.argmax). Ascend: MindSpore's Argmax.
+platform (the first maximum; the first NaN, as torch.argmax). Ascend: MindSpore's Argmax (which
+of equal maxima, or of NaNs, the NPU's kernel picks is not checked here: no NPU).
 """
 
 import mindspore as ms
