@@ -167,10 +167,6 @@ class HeadOutputs(NamedTuple):
 
     logits: ms.Tensor  # [T, vocab] float32, T the call's padded token count
     tokens: ms.Tensor  # [T] int32, each row's argmax
-    count: int  # the step's rows
-
-    def rows(self) -> torch.Tensor:
-        return torch.from_numpy(self.logits.asnumpy()[:self.count])
 
 
 class PendingStep(NamedTuple):
@@ -483,7 +479,7 @@ class MindSporeModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         if self._decodes_only(inputs):
             call = inputs.calls[0]
-            logits = HeadOutputs(*self.backend.decode(call.step_tensors()), call.count)
+            logits = HeadOutputs(*self.backend.decode(call.step_tensors()))
         else:
             logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
         if self.backend.num_compiled_graphs() != self.num_graphs:
@@ -506,8 +502,8 @@ class MindSporeModelRunner:
                 and argmax_is_the_sample(batch.sampling_metadata)):
             sampled_ids, logprobs = logits.tokens.asnumpy()[:num_reqs, None], None  # [R, 1]
         else:
-            if isinstance(logits, HeadOutputs):
-                logits = logits.rows()
+            if isinstance(logits, HeadOutputs):  # a step of decodes: a row a request
+                logits = torch.from_numpy(logits.logits.asnumpy()[:num_reqs])
             sample_logits = logits if len(logits) == num_reqs else logits[:num_reqs]
             sampler_output = self._sample(sample_logits, scheduler_output, grammar_output,
                                           partial)
