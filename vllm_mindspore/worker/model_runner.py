@@ -11,8 +11,9 @@ The model is a `ModelBackend` (model_backends/contract.py) and runs as two MindS
 decoder over the step's tokens (`StepTensors`) -> hidden states, and the logits head (final
 norm + LM head) over the rows that are sampled. A step of decodes (one token a request, each
 sampled) runs both in one call (`ModelBackend.decode`): the head's rows are the decoder's.
-The head also takes each row's argmax; a step of decodes whose requests are all plain greedy
-reads only those tokens, not the logits, and skips vLLM's sampler (`argmax_is_the_sample`).
+The head also takes each row's argmax; a step whose requests are all plain greedy (and want no
+prompt logprobs) reads only those tokens, not the logits, and skips vLLM's sampler
+(`argmax_is_the_sample`).
 On CPU the graphs are compiled for a fixed set of sizes (`GraphSizes`: steps are padded to the
 next one) during warm-up, so no step compiles; on Ascend they are compiled once with dynamic
 shapes.
@@ -162,11 +163,12 @@ class StepInputs(NamedTuple):
 
 
 class HeadOutputs(NamedTuple):
-    """A step of decodes' head outputs, left in MindSpore until `sample_tokens` knows whether
-    it needs the logits or only their greedy tokens."""
+    """The head's outputs for a step that samples a row a request and wants no prompt logprobs,
+    left in MindSpore until `sample_tokens` knows whether it needs the logits or only their
+    greedy tokens. Row i is request i's last token; padding rows follow."""
 
-    logits: ms.Tensor  # [T, vocab] float32, T the call's padded token count
-    tokens: ms.Tensor  # [T] int32, each row's argmax
+    logits: ms.Tensor  # [P, vocab] float32, P >= the batch's requests
+    tokens: ms.Tensor  # [P] int32, each row's argmax
 
 
 class PendingStep(NamedTuple):
@@ -174,7 +176,7 @@ class PendingStep(NamedTuple):
 
     scheduler_output: object
     inputs: StepInputs
-    logits: torch.Tensor | HeadOutputs  # [N, vocab] float32, or a step of decodes' outputs
+    logits: torch.Tensor | HeadOutputs  # [N, vocab] float32, or the head's outputs
     start: float
 
 
@@ -297,16 +299,19 @@ class MindSporeModelRunner:
                   for call in calls]
         return hidden[0] if len(hidden) == 1 else np.concatenate(hidden)
 
+    def _head(self, hidden: np.ndarray, rows: np.ndarray) -> HeadOutputs:
+        """The head on those rows (at most `sizes.max_rows`) of the decoder's output, padded."""
+        padded = np.zeros((self.sizes.padded_rows(len(rows)), hidden.shape[1]), hidden.dtype)
+        padded[:len(rows)] = hidden[rows]
+        return HeadOutputs(*self.backend.logits(ms.Tensor.from_numpy(padded)))
+
     def _logits(self, hidden: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """Logits [len(rows), vocab] float32 of those rows of the decoder's output, the head
         run on at most `sizes.max_rows` rows at a time."""
         chunks = []
         for start in range(0, len(rows), self.sizes.max_rows):
             chunk = rows[start:start + self.sizes.max_rows]
-            padded = np.zeros((self.sizes.padded_rows(len(chunk)), hidden.shape[1]),
-                              hidden.dtype)
-            padded[:len(chunk)] = hidden[chunk]
-            logits = self.backend.logits(ms.Tensor.from_numpy(padded))[0].asnumpy()
+            logits = self._head(hidden, chunk).logits.asnumpy()
             chunks.append(torch.from_numpy(logits[:len(chunk)]))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -480,6 +485,8 @@ class MindSporeModelRunner:
         if self._decodes_only(inputs):
             call = inputs.calls[0]
             logits = HeadOutputs(*self.backend.decode(call.step_tensors()))
+        elif not inputs.prompt_rows:  # a row a request (at most sizes.max_rows)
+            logits = self._head(self._forward(inputs.calls), inputs.logits_index)
         else:
             logits = self._logits(self._forward(inputs.calls), inputs.logits_index)
         if self.backend.num_compiled_graphs() != self.num_graphs:
@@ -505,7 +512,7 @@ class MindSporeModelRunner:
             sampled_ids = np.array(logits.tokens.tolist()[:num_reqs])[:, None]  # [R, 1]
             logprobs = None
         else:
-            if isinstance(logits, HeadOutputs):  # a step of decodes: a row a request
+            if isinstance(logits, HeadOutputs):  # a row a request
                 logits = torch.from_numpy(logits.logits.asnumpy()[:num_reqs])
             sample_logits = logits if len(logits) == num_reqs else logits[:num_reqs]
             sampler_output = self._sample(sample_logits, scheduler_output, grammar_output,
