@@ -19,8 +19,8 @@ def test_graph_call_prints_a_figure_for_each_setting():
     assert [name for name, *_ in rows] == ["nothing", "spins 400 us", "reads 1 MB"], result.stdout
 
 
-def test_ratios_compare_each_of_our_engines_with_the_others_in_its_dtype():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+def test_ratios_compare_each_of_our_engines_with_the_others_in_its_dtype(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import throughput
 
     def engine(kind, dtype, label):
