@@ -10,8 +10,9 @@ Random: vLLM's sampling with its exponential noise drawn in C++.
 Plain greedy: when vLLM's sampler would return each row's argmax of the raw logits and nothing
 else (`argmax_is_the_sample`), the runner takes the tokens the logits head's graph computed
 (`ops.GreedyTokens`) and skips the sampler and the logits' copy to the host: the runner's host
-work of a batch-1 bfloat16 step ~340 -> ~210 us (of ~2.3 ms), of a 64-request float32 decode
-step ~1.4 -> ~0.7 ms (of ~22 ms; the graph's argmax costs ~0.1-0.3 ms of it back).
+work of a batch-1 bfloat16 step ~340 -> ~190 us (of ~2.3 ms; the tokens read with `tolist`), of a
+64-request float32 decode step ~1.4 -> ~0.7 ms (of ~22 ms; the graph's argmax costs ~0.1-0.3 ms
+of it back). Prefill steps take the same way when they want no prompt logprobs.
 
 vLLM's `random_sample(probs, generators)` divides the probabilities by Exp(1) noise from
 torch's `exponential_()` and takes the argmax. On CPU that noise costs ~1.2 ms for 8 rows of an
