@@ -223,3 +223,48 @@ def test_tile_configuration_survives_inlining(tmp_path):
     if result.returncode == 77:
         pytest.skip("Linux refused this process the AMX tile state")
     assert result.returncode == 0, f"the tile program ended with {result.returncode}"
+
+
+# The kernels' vector exp (silu * up, the attention's softmax) against their scalar exp, bit for
+# bit, on floats spread over every exponent and sign, the clamps' edges and the infinities: on
+# AVX-512 the vector one floors and scales with roundscale and scalef, the scalar one with floor
+# and an integer add to the exponent's bits.
+EXP_PROGRAM = r"""
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include "common.h"
+int main() {
+  using namespace vllm_ms;
+  const float edges[] = {-std::numeric_limits<float>::infinity(), -88.0f, -87.0f, -86.99f, -0.0f,
+                         0.0f, 1e-30f, 0.5f, 88.0f, 88.01f, std::numeric_limits<float>::infinity()};
+  long mismatches = 0, checked = 0;
+  for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 4099 * kLanes) {
+    float x[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      const uint32_t b = static_cast<uint32_t>(bits) + i * 4099u;
+      std::memcpy(&x[i], &b, sizeof(b));
+      if (x[i] != x[i]) x[i] = edges[(b >> 8) % (sizeof(edges) / sizeof(float))];  // NaN
+    }
+    if (bits == 0) std::memcpy(x, edges, sizeof(edges));
+    const lanes e = fast_exp(load_lanes(x));
+    for (int i = 0; i < kLanes; ++i, ++checked) {
+      const float want = fast_exp(x[i]);
+      if (std::memcmp(&e[i], &want, sizeof(want)) != 0 && mismatches++ < 5)
+        std::printf("exp(%a): vector %a, scalar %a\n", x[i], e[i], want);
+    }
+  }
+  std::printf("%ld of %ld differ\n", mismatches, checked);
+  return mismatches != 0 || checked < 1000000;
+}
+"""
+
+
+def test_vector_exp_equals_the_scalar_exp(tmp_path):
+    source, program = tmp_path / "exp.cc", tmp_path / "exp"
+    source.write_text(EXP_PROGRAM)
+    flags = [flag for flag in kernels.COMPILE_FLAGS if flag not in ("-shared", "-fPIC")]
+    subprocess.run([os.environ.get("CXX", "g++"), *flags, f"-I{kernels.CSRC}", "-o",
+                    str(program), str(source)], check=True)
+    result = subprocess.run([str(program)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
