@@ -390,9 +390,8 @@ def safetensors_parameters(model_dir: str) -> dict:
     # embeddings the table is the LM head, read in full. A token of an MoE model reads only
     # the routed experts it is sent to (num_experts_per_tok of them in each layer).
     per_token = total - embed if has_head else total
-    moe = None
-    if experts and routed:
-        top_k = config["num_experts_per_tok"]
+    moe, top_k = None, config.get("num_experts_per_tok")
+    if experts and routed and top_k:
         per_token -= routed - routed * top_k // experts
         moe = f"{top_k} of {experts} routed experts"
     return {"total": total, "embedding": embed, "tied": not has_head, "read_per_token": per_token,
