@@ -351,8 +351,8 @@ inline lanes fast_exp(lanes x) {
   x = x > hi ? hi : x;
   const lanes y = x * 1.44269504088896341f + 0.5f;
 #if defined(__AVX512F__)
-  // The same k and result as below (checked on every float but NaN) in 2 instructions where the
-  // floor and the exponent's integer add take 6: silu * up of 128 x 1408 values 92 -> 79 us.
+  // The same k and result as below (checked on every float but NaN) in two instructions where the
+  // floor and the exponent's integer add take several: silu * up of 128 x 1408 values 92 -> 79 us.
   const lanes k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   return _mm512_scalef_ps(exp_polynomial(x, k), k);
 #else
