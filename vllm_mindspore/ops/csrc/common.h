@@ -316,8 +316,8 @@ struct Rotary {
   }
 };
 
-// 2^-k exp(x) for k = round(x / ln 2): Cephes' single-precision polynomial in r = x - k ln 2 (float or
-// lanes).
+// 2^-k exp(x) for k = round(x / ln 2): Cephes' single-precision polynomial in r = x - k ln 2
+// (float or lanes).
 template <typename T>
 inline T exp_polynomial(T x, T k) {
   const T r = x - k * 0.693359375f + k * 2.12194440e-4f;
