@@ -212,14 +212,19 @@ int main() {
 """
 
 
-@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX-BF16")
-def test_tile_configuration_survives_inlining(tmp_path):
-    source, program = tmp_path / "tiles.cc", tmp_path / "tiles"
-    source.write_text(TILE_PROGRAM)
+def run_program(tmp_path, name: str, source: str) -> subprocess.CompletedProcess:
+    """Build a program over the kernels' headers with the kernels' own flags, and run it."""
+    source_path, program = tmp_path / f"{name}.cc", tmp_path / name
+    source_path.write_text(source)
     flags = [flag for flag in kernels.COMPILE_FLAGS if flag not in ("-shared", "-fPIC")]
     subprocess.run([os.environ.get("CXX", "g++"), *flags, f"-I{kernels.CSRC}", "-o",
-                    str(program), str(source)], check=True)
-    result = subprocess.run([str(program)])
+                    str(program), str(source_path)], check=True)
+    return subprocess.run([str(program)], capture_output=True, text=True)
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX-BF16")
+def test_tile_configuration_survives_inlining(tmp_path):
+    result = run_program(tmp_path, "tiles", TILE_PROGRAM)
     if result.returncode == 77:
         pytest.skip("Linux refused this process the AMX tile state")
     assert result.returncode == 0, f"the tile program ended with {result.returncode}"
@@ -263,10 +268,5 @@ int main() {
 
 
 def test_vector_exp_equals_the_scalar_exp(tmp_path):
-    source, program = tmp_path / "exp.cc", tmp_path / "exp"
-    source.write_text(EXP_PROGRAM)
-    flags = [flag for flag in kernels.COMPILE_FLAGS if flag not in ("-shared", "-fPIC")]
-    subprocess.run([os.environ.get("CXX", "g++"), *flags, f"-I{kernels.CSRC}", "-o",
-                    str(program), str(source)], check=True)
-    result = subprocess.run([str(program)], capture_output=True, text=True)
+    result = run_program(tmp_path, "exp", EXP_PROGRAM)
     assert result.returncode == 0, result.stdout
