@@ -28,13 +28,16 @@ MODELS = {
     "qwen3": ("Qwen3ForCausalLM", dict(num_hidden_layers=3)),  # q/k head norms
     "llama": ("LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
                                        head_dim=16)),
-    # Layer 1 dense (mlp_only_layers) between two sparse ones: it alone is one operator, which
-    # takes the residual stream of the layer before it.
-    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(
+    # Layer 1 dense (mlp_only_layers) between two sparse ones (their router, softmax top-k and
+    # experts in the operator too), with and without renormalised expert weights.
+    **{f"qwen3-moe-norm-{norm}": ("Qwen3MoeForCausalLM", dict(
         num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=norm)) for norm in (True, False)},
 }
-ONE_OPERATOR_LAYERS = {"qwen3-moe": [False, True, False]}  # the others: every layer
+# The same model with its sparse layers kept out of the operator (as W8A8 experts are): the dense
+# layer alone is one operator, between two layers of separate operators, and takes the residual
+# stream of the layer before it.
+MODELS["qwen3-moe-dense-layer-alone"] = MODELS["qwen3-moe-norm-True"]
 
 # Steps of requests (tokens this step, tokens before it): A and B prefill (B in chunks), then A
 # decodes beside B's second chunk and a new request C, then a step with no padding (its last
@@ -95,27 +98,32 @@ def run_steps(model, vocab_size: int, padded: bool) -> tuple[list[np.ndarray], l
     not cpu_has_bfloat16_dot(), reason="this CPU has no AVX512-BF16"))])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_layer_kernel_equals_separate_operators(tiny_model_factory, monkeypatch, name, weights):
+    from model_backends.native.qwen3_moe import Qwen3MoeSparseMoeBlock
+
     arch, overrides = MODELS[name]
     model_dir = tiny_model_factory(arch, **overrides)
     bfloat16 = weights == "bfloat16"
+    alone = name == "qwen3-moe-dense-layer-alone"
+    if alone:
+        monkeypatch.setattr(Qwen3MoeSparseMoeBlock, "layer_mlp", lambda self: None)
     one_operator = build(arch, model_dir, True, bfloat16, monkeypatch)
     separate = build(arch, model_dir, False, bfloat16, monkeypatch)
-    expected = ONE_OPERATOR_LAYERS.get(name, [True] * one_operator.config.num_hidden_layers)
+    expected = [False, True, False] if alone else [True] * one_operator.config.num_hidden_layers
     assert [layer.layer_tensors is not None for layer in one_operator.model.layers] == expected
     # Each run of consecutive such layers is one operator, in the layers' order.
     runs = one_operator.model.runs
     operators = [isinstance(run, DecoderLayersKernel) for run in runs]
-    assert operators == (expected if name == "qwen3-moe" else [True])
+    assert operators == (expected if not all(expected) else [True])
     assert [layer for run, operator in zip(runs, operators)
             for layer in (run.layers if operator else [run])] == list(one_operator.model.layers)
     assert all(layer.layer_tensors is None for layer in separate.model.layers)
     assert separate.model.runs is None
     vocab = one_operator.config.vocab_size
     # The operator computes a step's tokens only and gives the padding rows zeros, where the
-    # separate operators compute those rows too. A sparse layer after it routes the two sets of
-    # padding rows to different experts, whose matmuls pick AMX tiles or vector blocks by how
-    # many rows they get: so the MoE model's bfloat16 steps here carry no padding.
-    padded = not (name == "qwen3-moe" and bfloat16)
+    # separate operators compute those rows too. Their sparse layers route the padding rows to
+    # experts, whose matmuls pick AMX tiles or vector blocks by how many rows they get: so the
+    # MoE model's bfloat16 steps here carry no padding.
+    padded = not (arch == "Qwen3MoeForCausalLM" and bfloat16)
     (fused_out, fused_caches), (ref_out, ref_caches) = (run_steps(m, vocab, padded)
                                                         for m in (one_operator, separate))
     for step, (fused, ref) in enumerate(zip(fused_out, ref_out)):

@@ -17,7 +17,7 @@ from ms_cells import OpCell, call_aot
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul, packing_bfloat16
-from vllm_mindspore.ops.moe import MoEDispatch
+from vllm_mindspore.ops.moe import MoEDispatch, SoftmaxTopK
 from vllm_mindspore.ops.quant_reference import to_dtype
 from vllm_mindspore.platform import cpu_has_amx, cpu_has_bfloat16_dot
 
@@ -179,6 +179,42 @@ def test_moe_experts_match_numpy(weight_kernel, inter):
     assert dispatch.w13.dtype == (ms.bfloat16 if weight_dtype == "bfloat16" else ms.float32)
     out = dispatch(ms.Tensor(x), ms.Tensor(weights), ms.Tensor(ids)).asnumpy()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_top_k_routing(dtype, renormalize):
+    """The routing kernel against numpy: each token's K most probable experts, best first (of
+    equal logits the lower id first) and their softmax probabilities, renormalised or not; and
+    against MindSpore's softmax and top-k (the op's Ascend path) where no two logits tie."""
+    g = np.random.default_rng(0)
+    tokens, experts, top_k = 300, 24, 5
+    logits = (g.standard_normal((tokens, experts)) * 3).astype(dtype)
+    logits[0] = 1.5  # every expert ties
+    logits[1, [3, 7, 11, 20]] = logits[1].max() + 1  # a tie across the k-th place
+    logits[2, :] = -60000 if dtype == np.float16 else -1e30  # far from 0: softmax's max shift
+    logits[2, 9] = logits[2, 9] + 1
+    routing = SoftmaxTopK(top_k, renormalize)
+    weights, ids = (out.asnumpy() for out in routing(ms.Tensor(logits)))
+
+    wide = logits.astype(np.float64)
+    probs = np.exp(wide - wide.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected_ids = np.argsort(-wide, axis=-1, kind="stable")[:, :top_k]
+    expected = np.take_along_axis(probs, expected_ids, -1)
+    if renormalize:
+        expected /= expected.sum(-1, keepdims=True)
+    assert ids.dtype == np.int32 and weights.dtype == np.float32
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_allclose(weights, expected, rtol=2e-6, atol=1e-7)
+    assert list(ids[0]) == list(range(top_k)) and list(ids[1, :4]) == [3, 7, 11, 20]
+
+    routing.kernel = None  # MindSpore's ops
+    ms_weights, ms_ids = (out.asnumpy() for out in routing(ms.Tensor(logits)))
+    distinct = np.array([len(np.unique(row)) == experts for row in logits])
+    assert distinct.sum() > 0.9 * tokens
+    np.testing.assert_array_equal(ids[distinct], ms_ids[distinct])
+    np.testing.assert_allclose(weights[distinct], ms_weights[distinct], rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("hidden, inter", [(47, 40), (48, 39)])

@@ -167,9 +167,7 @@ class Linear(nn.Cell):
             return
         self.packed = packed_matmul(self.out_features, self.bias is not None and self.fuses_bias,
                                     self.act is not None)
-        dtype = packed_dtype(self.weight.dtype)
-        self.weight = parameter(pack_panels(to_host(self.weight), dtype), dtype,
-                                f"{prefix}.weight")
+        self.weight = packed_weight(self.weight, packed_dtype(self.weight.dtype), prefix)
 
     fuses_bias = True  # the bias is added by the matmul (RowParallelLinear adds it after reducing)
 
@@ -195,6 +193,12 @@ class Linear(nn.Cell):
 
     def construct(self, x):
         return self.project(x)
+
+
+def packed_weight(weight, dtype, prefix: str) -> ms.Parameter:
+    """A weight [out, in] (a Parameter or host array) as the CPU matmul kernel's packed
+    `dtype` Parameter `{prefix}.weight` (vllm_mindspore/ops/linear.py)."""
+    return parameter(pack_panels(to_host(weight), dtype), dtype, f"{prefix}.weight")
 
 
 def fuse_linears(linears: list[Linear], prefix: str, silu_and_mul: bool = False) -> Linear:
@@ -349,8 +353,7 @@ class ParallelLMHead(nn.Cell):
             return
         weight = self.tied.weight if self.tied is not None else self.weight
         self.packed = packed_matmul(weight.shape[0])
-        dtype = packed_dtype(weight.dtype)
-        self.weight = parameter(pack_panels(to_host(weight), dtype), dtype, f"{prefix}.weight")
+        self.weight = packed_weight(weight, packed_dtype(weight.dtype), prefix)
         self.tied = None
 
     def construct(self, hidden):

@@ -18,7 +18,7 @@ from model_backends.native.layers import (ColumnParallelLinear, Linear, Parallel
 from vllm_mindspore import envs
 from vllm_mindspore.ops import (AttentionMetadata, GreedyTokens, PagedAttention, RMSNorm,
                                 RotaryEmbedding)
-from vllm_mindspore.ops.decoder import DecoderLayersKernel, DecoderLayerTensors
+from vllm_mindspore.ops.decoder import DecoderLayersKernel, DecoderLayerTensors, LayerMLP
 from vllm_mindspore.ops.host import zeros_parameter
 
 
@@ -113,6 +113,13 @@ class LlamaMLP(nn.Cell):
                                          silu_and_mul=True)
         self.gate_proj = self.up_proj = None
 
+    def layer_mlp(self) -> LayerMLP | None:
+        """The MLP as the decoder layers' operator runs it (CPU, float weights), else None."""
+        if self.gate_up_proj.packed is None or self.down_proj.packed is None:
+            return None
+        return LayerMLP(self.gate_up_proj.weight, self.down_proj.weight,
+                        self.gate_up_proj.out_features // 2)
+
     def construct(self, x):
         return self.down_proj(self.gate_up_proj(x))
 
@@ -137,14 +144,14 @@ class LlamaDecoderLayer(nn.Cell):
     def use_compute_layout(self, prefix: str) -> None:
         """After its projections took their compute layouts: on CPU, the layer's inputs to the
         layers' operator (vllm_mindspore/ops/decoder.py) where nothing else runs between its
-        parts (float weights, one tensor-parallel rank, Llama's attention and a dense MLP)."""
-        attn, mlp = self.self_attn, self.mlp
-        if (not envs.VLLM_MS_CPU_LAYER_KERNEL or not isinstance(attn, LlamaAttention)
-                or not isinstance(mlp, LlamaMLP)):
+        parts (float weights, one tensor-parallel rank, Llama's attention, an MLP the operator
+        runs: `layer_mlp`)."""
+        attn = self.self_attn
+        if not envs.VLLM_MS_CPU_LAYER_KERNEL or not isinstance(attn, LlamaAttention):
             return
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (any(linear.packed is None for linear in projections) or attn.o_proj.bias is not None
-                or tp_rank_and_size()[1] > 1):
+        layer_mlp = getattr(self.mlp, "layer_mlp", lambda: None)()
+        if (layer_mlp is None or attn.qkv_proj.packed is None or attn.o_proj.packed is None
+                or attn.o_proj.bias is not None or tp_rank_and_size()[1] > 1):
             return
         qk_norm = attn.qk_norm_ if attn.qk_norm else None
         norms = [self.input_layernorm, self.post_attention_layernorm] + (
@@ -153,8 +160,7 @@ class LlamaDecoderLayer(nn.Cell):
             return
         self.layer_tensors = DecoderLayerTensors(
             self.input_layernorm, attn.qkv_proj.weight, attn.qkv_proj.bias, qk_norm,
-            attn.o_proj.weight, self.post_attention_layernorm, mlp.gate_up_proj.weight,
-            mlp.down_proj.weight, attn.attn, mlp.gate_up_proj.out_features // 2)
+            attn.o_proj.weight, self.post_attention_layernorm, layer_mlp, attn.attn)
 
     def construct(self, positions, hidden, residual, attn_metadata, prefill_only):
         """hidden: the previous layer's output, residual: the stream before it (None for the

@@ -5,6 +5,7 @@ from mindspore import nn
 
 from model_backends.native.layers import ExpertShard, TensorParallelAllReduce, ep_rank_and_size
 from model_backends.native.llama import LlamaMLP
+from vllm_mindspore.ops.decoder import LayerMLP
 from vllm_mindspore.ops.moe import MoEDispatch
 
 
@@ -26,12 +27,22 @@ class RoutedExperts(nn.Cell):
             for _ in range(shard.count)])
         self.dispatch = MoEDispatch(shard.count, shard.start, *ep_rank_and_size())
         self.reduce = TensorParallelAllReduce()
+        self.intermediate_size = intermediate_size
 
     def process_weights_after_loading(self, prefix: str) -> None:
         """The experts become the dispatch's two stacked weights; the per-expert Cells are
         dropped so the weights are not held twice."""
         self.dispatch.stack_experts(self.experts, f"{prefix}.dispatch")
         self.experts = None
+
+    def layer_kernel_experts(self) -> LayerMLP | None:
+        """The routed experts as the decoder layers' operator runs them (the CPU kernel's float
+        experts, all on this rank), without a router: a model's `layer_mlp` adds its own."""
+        dispatch = self.dispatch
+        if (self.expert_parallel or dispatch.grouped or dispatch.quant_experts is not None
+                or dispatch.w13 is None):
+            return None
+        return LayerMLP(dispatch.w13, dispatch.w2, self.intermediate_size)
 
     def routed(self, hidden, weights, expert_ids):
         """hidden [T, D], weights / expert_ids [T, K] -> routed output [T, D], fully reduced."""

@@ -5,14 +5,17 @@ as in HF transformers' `Qwen3MoeDecoderLayer`; other layers keep the dense MLP. 
 in the checkpoints: `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight`.
 """
 
-import mindspore as ms
 from mindspore import nn, ops
 
-from model_backends.native.layers import ExpertShard
+from model_backends.native.layers import ExpertShard, packed_weight
 from model_backends.native.llama import LlamaForCausalLM
 from model_backends.native.moe import RoutedExperts
 from model_backends.native.qwen3 import Qwen3DecoderLayer
+from vllm_mindspore.ops.decoder import LayerMLP
 from vllm_mindspore.ops.host import zeros_parameter
+from vllm_mindspore.ops.linear import packed_matmul
+from vllm_mindspore.ops.moe import SoftmaxTopK
+from vllm_mindspore.platform import ASCEND, kernel_device
 
 
 class Qwen3MoeTopKRouter(nn.Cell):
@@ -21,17 +24,23 @@ class Qwen3MoeTopKRouter(nn.Cell):
 
     def __init__(self, config, dtype):
         super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = bool(config.norm_topk_prob)
         self.weight = zeros_parameter((config.num_experts, config.hidden_size), dtype)
         self.matmul = ops.MatMul(transpose_b=True)
+        self.packed = None  # CPU: the kernel over the packed weight
+        self.routing = SoftmaxTopK(config.num_experts_per_tok, bool(config.norm_topk_prob))
+
+    def use_compute_layout(self, prefix: str) -> None:
+        """CPU: the weight packed for the matmul kernel, in the graphs' dtype (float32 for a
+        bfloat16 model: the routing's logits in full precision, as before it was packed)."""
+        if kernel_device() == ASCEND or self.packed is not None:
+            return
+        self.packed = packed_matmul(self.weight.shape[0])
+        self.weight = packed_weight(self.weight, self.weight.dtype, prefix)
 
     def construct(self, hidden):
-        probs = ops.softmax(self.matmul(hidden, self.weight).astype(ms.float32), -1)
-        weights, expert_ids = ops.topk(probs, self.top_k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdims=True)
-        return weights, expert_ids.astype(ms.int32)
+        if self.packed is not None:
+            return self.routing(self.packed(hidden, self.weight))
+        return self.routing(self.matmul(hidden, self.weight))
 
 
 class Qwen3MoeSparseMoeBlock(RoutedExperts):
@@ -39,6 +48,16 @@ class Qwen3MoeSparseMoeBlock(RoutedExperts):
         super().__init__(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                          dtype)
         self.gate = Qwen3MoeTopKRouter(config, dtype)
+
+    def layer_mlp(self) -> LayerMLP | None:
+        """The routed experts as the decoder layers' operator runs them (CPU, float weights, one
+        rank)."""
+        experts = self.layer_kernel_experts()
+        if experts is None or self.gate.packed is None:
+            return None
+        routing = self.gate.routing
+        return experts._replace(router=self.gate.weight, top_k=routing.top_k,
+                                renormalize=routing.renormalize)
 
     def construct(self, hidden):
         weights, expert_ids = self.gate(hidden)

@@ -1,7 +1,8 @@
 """Mixture-of-experts dispatch: each token's hidden state through its top-k experts, weighted.
 
 Routing (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) belongs to the model; this op
-takes its result. The experts are loaded as one Cell each, named like the checkpoint
+takes its result. Softmax top-k routing is an op of its own (`SoftmaxTopK`), one C++ operator on
+CPU. The experts are loaded as one Cell each, named like the checkpoint
 (`experts.E.gate_proj.weight`); after loading, `stack_experts` turns them into two stacked
 weights, gate|up and down, and drops the per-expert cells:
 
@@ -57,6 +58,32 @@ def group_limited_topk(choice, top_k: int, num_groups: int, topk_group: int, gro
     masked = ops.select(expert_mask.reshape(num_tokens, num_experts) > 0.5, choice,
                         ops.full_like(choice, masked_value))
     return ops.topk(masked, top_k)[1].astype(ms.int32)
+
+
+class SoftmaxTopK(nn.Cell):
+    """logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int32): softmax over the E
+    experts in float32, the K most probable (best first; of equal ones the lower id first),
+    renormalised to sum 1 over the K when `renormalize`. CPU: one C++ operator (`csrc/moe.cc`),
+    which the decoder layers' operator also runs; Ascend: MindSpore's softmax and top-k."""
+
+    def __init__(self, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.kernel = None
+        if kernel_device() != ASCEND:
+            self.kernel = kernels.custom_op(
+                "SoftmaxTopK", lambda logits, _: ((logits[0], top_k), (logits[0], top_k)),
+                lambda *_: (ms.float32, ms.int32))
+            self.renormalize_flag = ms.Tensor([int(renormalize)], ms.int32)
+
+    def construct(self, logits):
+        if self.kernel is not None:
+            return self.kernel(logits, self.renormalize_flag)
+        weights, expert_ids = ops.topk(ops.softmax(logits.astype(ms.float32), -1), self.top_k)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return weights, expert_ids.astype(ms.int32)
 
 
 class MoEDispatch(nn.Cell):

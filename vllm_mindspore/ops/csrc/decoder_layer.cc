@@ -2,7 +2,8 @@
 // attention and MLP, both residual) as one operator, running the plugin's own kernels in turn on
 // their intermediates. MindSpore spends ~40-70 us between two operators of a graph on these CPUs;
 // a layer of separate operators is 7 launches (norm, q|k|v, attention, o, norm, gate|up, down),
-// and a model's layers one operator each were still 8 launches a step.
+// and a model's layers one operator each were still 8 launches a step. The MLP is dense, or
+// softmax top-k routed experts (Qwen3-MoE: router, routing, experts).
 
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +19,8 @@ int AddRmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
 int Linear(int, void **, int *, int64_t **, const char **, void *, void *);
 int LinearBias(int, void **, int *, int64_t **, const char **, void *, void *);
 int LinearSiluMul(int, void **, int *, int64_t **, const char **, void *, void *);
+int SoftmaxTopK(int, void **, int *, int64_t **, const char **, void *, void *);
+int MoeExperts(int, void **, int *, int64_t **, const char **, void *, void *);
 int RotaryPagedAttentionNeox(int, void **, int *, int64_t **, const char **, void *, void *);
 }
 
@@ -26,7 +29,7 @@ namespace {
 using Kernel = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
 
 // One layer's inputs to decoder_layer (DecoderLayers gathers them from its own); an optional one
-// (residual, qkv_bias, qk_norm) is absent when empty.
+// (residual, qkv_bias, qk_norm, router) is absent when empty.
 enum Input {
   kHidden,       // [T, E]
   kResidual,     // [T, E], or [0] (the first layer: the stream starts at hidden)
@@ -37,8 +40,9 @@ enum Input {
   kQkNorm,       // [H + KVH, D] (Qwen3's stacked q_norm | k_norm) or [0]
   kOProj,        // packed [E, H * Dv]
   kPostNorm,     // [E]
-  kGateUp,       // packed gate|up [2I, E]
-  kDown,         // packed [E, I]
+  kGateUp,       // packed gate|up [2I, E], or the experts' stacked w13 (moe.cc)
+  kDown,         // packed [E, I], or the experts' stacked w2
+  kRouter,       // packed [experts, E] (routed experts), or [0] (a dense MLP)
   kKeyCache,     // the attention's (paged_attention.cc) ...
   kValueCache,
   kSlotMapping,
@@ -48,7 +52,8 @@ enum Input {
   kScale,
   kPositions,
   kCosSin,       // ... inputs
-  kSizes,        // [2] int32: H (this layer's query heads), I (intermediate size)
+  kSizes,        // [4] int32: H (this layer's query heads), I (the MLP's or an expert's
+                 // intermediate size), K (experts a token; 0: a dense MLP), renormalize (0 / 1)
   kInputs
 };
 
@@ -88,7 +93,7 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   };
   auto present = [&](int i) { return elements(ndims[i], shapes[i]) > 0; };
   if (ndims[kHidden] != 2 || ndims[kKeyCache] != 4 || ndims[kValueCache] != 4 ||
-      elements(ndims[kSizes], shapes[kSizes]) != 2) {
+      elements(ndims[kSizes], shapes[kSizes]) != 4) {
     return 1;
   }
   const char *act = dtypes[kHidden];
@@ -104,7 +109,8 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   const int64_t kv_heads = shapes[kKeyCache][1], D = shapes[kKeyCache][2];
   const int64_t Dv = shapes[kValueCache][3];
   const int32_t *sizes = static_cast<const int32_t *>(params[kSizes]);
-  const int64_t heads = sizes[0], I = sizes[1];
+  const int64_t heads = sizes[0], I = sizes[1], top_k = sizes[2];
+  if ((top_k > 0) != present(kRouter)) return 1;
   const int64_t N = (heads + kv_heads) * D + kv_heads * Dv;
   const Arg hidden_out{params[kInputs], {T, E}, act};
   const Arg residual_out{params[kInputs + 1], {T, E}, act};
@@ -120,12 +126,13 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   };
   // The intermediates, reused from call to call.
   struct Intermediates {
-    vllm_ms::Buffer<char> normed, qkv, qk, attn, o, gated;
+    vllm_ms::Buffer<char> normed, qkv, qk, attn, o, gated, routed_x, logits, weights, ids;
   };
   const vllm_ms::Scratch<Intermediates> buffers;
   auto scratch = [&](vllm_ms::Buffer<char> &buffer, std::vector<int64_t> shape,
                      const char *dtype) {
-    const size_t bytes = std::strcmp(dtype, "float32") == 0 ? 4 : 2;
+    const bool wide = std::strcmp(dtype, "float32") == 0 || std::strcmp(dtype, "int32") == 0;
+    const size_t bytes = wide ? 4 : 2;
     buffer.resize(static_cast<size_t>(elements(static_cast<int>(shape.size()), shape.data())) *
                   bytes);
     return Arg{buffer.data(), std::move(shape), dtype};
@@ -165,11 +172,27 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
                     input(kBlockTables), input(kSeqLens), input(kQLens), input(kScale),
                     tokens_of(kPositions), input(kCosSin), attn}});
   steps.push_back({Linear, {Arg{attn.data, {T, heads * Dv}, matmul_rows}, input(kOProj), o}});
-  // In place on the residual stream: the norm reads a row whole before it writes it.
-  steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), normed,
-                                residual_out}});
-  steps.push_back({LinearSiluMul, {normed, input(kGateUp), gated}});
-  steps.push_back({Linear, {gated, input(kDown), hidden_out}});
+  if (top_k == 0) {
+    // In place on the residual stream: the norm reads a row whole before it writes it.
+    steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), normed,
+                                  residual_out}});
+    steps.push_back({LinearSiluMul, {normed, input(kGateUp), gated}});
+    steps.push_back({Linear, {gated, input(kDown), hidden_out}});
+  } else {
+    // The router and the experts take the norm's rows in the activations' dtype (the experts'
+    // matmuls round them for AMX themselves, per expert).
+    const Arg routed_x = scratch(buffers->routed_x, {T, E}, act);
+    const Arg logits = scratch(buffers->logits, {T, shapes[kGateUp][0]}, act);
+    const Arg weights = scratch(buffers->weights, {T, top_k}, "float32");
+    const Arg ids = scratch(buffers->ids, {T, top_k}, "int32");
+    const Arg renormalize{const_cast<int32_t *>(sizes + 3), {1}, "int32"};
+    steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), routed_x,
+                                  residual_out}});
+    steps.push_back({Linear, {routed_x, input(kRouter), logits}});
+    steps.push_back({SoftmaxTopK, {logits, renormalize, weights, ids}});
+    steps.push_back({MoeExperts, {routed_x, ids, weights, input(kGateUp), input(kDown),
+                                  hidden_out}});
+  }
   for (const auto &[kernel, args] : steps) {
     if (const int status = call(kernel, args)) return status;
   }
@@ -181,7 +204,8 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
 constexpr int kStepInputs[] = {kHidden, kResidual, kSlotMapping, kBlockTables, kSeqLens, kQLens,
                                kPositions};
 constexpr int kLayerInputs[] = {kInputNorm, kEps, kQkv, kQkvBias, kQkNorm, kOProj, kPostNorm,
-                                kGateUp, kDown, kKeyCache, kValueCache, kScale, kCosSin, kSizes};
+                                kGateUp, kDown, kRouter, kKeyCache, kValueCache, kScale, kCosSin,
+                                kSizes};
 constexpr int kNumStepInputs = sizeof(kStepInputs) / sizeof(kStepInputs[0]);
 constexpr int kNumLayerInputs = sizeof(kLayerInputs) / sizeof(kLayerInputs[0]);
 
@@ -190,7 +214,7 @@ constexpr int kNumLayerInputs = sizeof(kLayerInputs) / sizeof(kLayerInputs[0]);
 extern "C" {
 
 // (hidden [T, E], residual [T, E] or [0] (the stream starts at hidden), slot_mapping,
-// block_tables, seq_lens, q_lens, positions, then per layer the 14 inputs of kLayerInputs) ->
+// block_tables, seq_lens, q_lens, positions, then per layer the 15 inputs of kLayerInputs) ->
 // (the last layer's output [T, E], the residual stream before it [T, E]), as a chain of
 // LlamaDecoderLayer.construct returns them. Each layer after the first reads the outputs in
 // place: its first norm reads hidden and residual before its last matmul writes hidden.

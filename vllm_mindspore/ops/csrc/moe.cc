@@ -4,8 +4,10 @@
 // The token copies are grouped by expert on the host side of the kernel (a counting sort), each
 // expert runs its gate|up matmul, silu(gate) * up and down matmul over exactly its tokens (the
 // weights packed in panels, gemm.h), and each copy's weighted output is summed back into its
-// token. MindSpore sees one operator with static shapes, whatever the routing.
+// token. MindSpore sees one operator with static shapes, whatever the routing. Softmax top-k
+// routing (Qwen3-MoE's) is an operator of its own.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -66,9 +68,63 @@ int run(void **params, int64_t **shapes, int w13_dims) {
   return 0;
 }
 
+// One token's routing: logits [E] -> its K experts' ids and weights, best first.
+template <typename L>
+void softmax_top_k(const L *logits, int64_t E, int64_t K, bool renormalize, float *weights,
+                   int32_t *ids) {
+  float max = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) max = std::max(max, to_float(logits[e]));
+  float sum = 0.0f;
+  int64_t chosen = 0;  // ids[0, chosen) hold the best so far, by descending logit
+  for (int64_t e = 0; e < E; ++e) {
+    const float logit = to_float(logits[e]);
+    sum += std::exp(logit - max);
+    // Strictly greater: of equal logits the lower id ranks first.
+    int64_t at = std::min(chosen, K);
+    while (at > 0 && logit > to_float(logits[ids[at - 1]])) --at;
+    if (at == K) continue;
+    for (int64_t k = std::min(chosen, K - 1); k > at; --k) ids[k] = ids[k - 1];
+    ids[at] = static_cast<int32_t>(e);
+    chosen = std::min(chosen + 1, K);
+  }
+  float chosen_sum = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    weights[k] = std::exp(to_float(logits[ids[k]]) - max) / sum;
+    chosen_sum += weights[k];
+  }
+  if (renormalize)
+    for (int64_t k = 0; k < K; ++k) weights[k] /= chosen_sum;
+}
+
+template <typename L>
+int route(void **params, int64_t **shapes) {
+  const L *logits = static_cast<const L *>(params[0]);
+  const bool renormalize = *static_cast<const int32_t *>(params[1]) != 0;
+  float *weights = static_cast<float *>(params[2]);
+  int32_t *ids = static_cast<int32_t *>(params[3]);
+  const int64_t tokens = shapes[0][0], E = shapes[0][1], K = shapes[2][1];
+  if (K < 1 || K > E || shapes[2][0] != tokens || shapes[3][0] != tokens || shapes[3][1] != K)
+    return 1;
+  parallel_for(tokens, [&](int64_t t) {
+    softmax_top_k(logits + t * E, E, K, renormalize, weights + t * K, ids + t * K);
+  }, tokens * E >= 4096);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
+
+// logits [T, E] float32 or float16, renormalize [1] int32 -> weights [T, K] float32, ids [T, K]
+// int32: each token's K most probable experts under softmax over its E logits, best first (of
+// equal logits the lower id first), their probabilities renormalised to sum 1 if `renormalize`.
+int SoftmaxTopK(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                void *, void *) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[2] != 2 || ndims[3] != 2) return 1;
+  if (std::strcmp(dtypes[0], "float16") == 0) return route<half>(params, shapes);
+  if (std::strcmp(dtypes[0], "float32") == 0) return route<float>(params, shapes);
+  return 1;
+}
 
 // x [T, D], ids [T, K] int32 (this rank's expert index; others are skipped), weights [T, K]
 // float32, w13 [E, P13, D, 32] (gate|up, 2I columns, packed), w2 [E, P2, I, 32] (down, D
