@@ -84,9 +84,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[..., Any], str]] = {
     "VLLM_MS_CPU_LAYER_KERNEL": (
         _flag("VLLM_MS_CPU_LAYER_KERNEL", "1"),
         "CPU: 1 (default) runs the decoder layers of the Llama-family models (Llama, Qwen2, "
-        "Qwen3) as one operator where it can (float weights, one tensor-parallel rank; each "
-        "run of consecutive such layers one operator); 0 runs their parts as separate "
-        "operators (the same kernels, for comparison).",
+        "Qwen3, and Qwen3-MoE with its router and experts) as one operator where it can (float "
+        "weights, one tensor-parallel and expert-parallel rank; each run of consecutive such "
+        "layers one operator); 0 runs their parts as separate operators (the same kernels, for "
+        "comparison).",
     ),
     "VLLM_MS_CPU_TCMALLOC": (
         _flag("VLLM_MS_CPU_TCMALLOC", "1"),
