@@ -80,7 +80,7 @@ void softmax_top_k(const L *logits, int64_t E, int64_t K, bool renormalize, floa
     const float logit = to_float(logits[e]);
     sum += std::exp(logit - max);
     // Strictly greater: of equal logits the lower id ranks first.
-    int64_t at = std::min(chosen, K);
+    int64_t at = chosen;
     while (at > 0 && logit > to_float(logits[ids[at - 1]])) --at;
     if (at == K) continue;
     for (int64_t k = std::min(chosen, K - 1); k > at; --k) ids[k] = ids[k - 1];
