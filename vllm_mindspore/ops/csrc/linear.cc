@@ -1,6 +1,6 @@
-// CPU kernels behind vllm_mindspore.ops.linear, called by MindSpore as `ops.Custom(func_type="aot")`
-// operators: y = x @ W (+ bias), optionally followed by silu(gate) * up for a fused gate|up
-// projection.
+// CPU kernels behind vllm_mindspore.ops.linear, called by MindSpore as
+// `ops.Custom(func_type="aot")` operators: y = x @ W (+ bias), optionally followed by
+// silu(gate) * up for a fused gate|up projection.
 // The weights are packed in panels (gemm.h): float32/float16 like x, or bfloat16 (in pairs of k,
 // x float32, or bfloat16 rows from the decoder layer where AMX takes them; y float32, or
 // bfloat16 for the next matmul).

@@ -11,7 +11,8 @@
 // activations (--dtype bfloat16 on CPU): values are rounded as they are written and widened to
 // float32 as the loops below load them.
 // Cache layouts (per block of `bs` slots, chosen for the loops below):
-//   MHA key   [num_blocks, KVH, D, bs]   keys transposed in a block: q.K over a block is bs-wide FMAs
+//   MHA key   [num_blocks, KVH, D, bs]   keys transposed in a block: q.K over a block is bs-wide
+//                                        FMAs
 //   MHA value [num_blocks, KVH, bs, Dv]
 //   MLA       [num_blocks, L, bs]        one latent "head" per slot, L = kv_lora_rank + rope dim;
 //                                        its first Dv channels are the values
@@ -185,7 +186,8 @@ void block_values(const float *p, int64_t ldp, const V *v, int64_t keys, int64_t
   c = block_values_chunks<R, 1>(p, ldp, v, keys, Dv, out, c);
   for (; c < Dv; ++c)
     for (int r = 0; r < R; ++r)
-      for (int64_t k = 0; k < keys; ++k) out[r * Dv + c] += p[r * ldp + k] * to_float(v[k * Dv + c]);
+      for (int64_t k = 0; k < keys; ++k)
+        out[r * Dv + c] += p[r * ldp + k] * to_float(v[k * Dv + c]);
 }
 
 template <typename C, int R = kMaxRows>
@@ -473,7 +475,8 @@ void attend(const Shape &s, const Item &item, const T *query, const C *key_cache
   acc_buf.resize(all_rows * Dv);
   l_buf.resize(all_rows);
   p_buf.resize(all_rows * width);
-  float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data(), *__restrict p = p_buf.data();
+  float *__restrict q = q_buf.data(), *__restrict acc = acc_buf.data();
+  float *__restrict p = p_buf.data();
   auto head_of = [&](int64_t g, int64_t h) { return (item.kv0 + g) * group + item.h0 + h; };
   const bool tile_rounding = rounds_as_tiles<C>(s);
   for (int64_t g = 0; g < kv_heads; ++g) {

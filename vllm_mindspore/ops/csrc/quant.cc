@@ -220,7 +220,7 @@ VLLM_MS_EXACT void dequant_dynamic(const int32_t *acc, int64_t rows, int64_t col
     }
 }
 
-// ---- the linear operator -------------------------------------------------------------------------
+// ---- the linear operator ------------------------------------------------------------------------
 // params: x [M, K], packed [P, K4, 32, 4], corr [N], (static: act [2, K] = r | offset),
 // colp [C, N] = scale | bias; out [M, N] or [M, N / 2] (gated: silu(gate) * up).
 template <typename T>
@@ -285,12 +285,13 @@ int linear(void **params, int64_t **shapes, bool dynamic, bool gated) {
   return 0;
 }
 
-int dispatch_linear(const char **dtypes, void **params, int64_t **shapes, bool dynamic, bool gated) {
+int dispatch_linear(const char **dtypes, void **params, int64_t **shapes, bool dynamic,
+                    bool gated) {
   if (std::strcmp(dtypes[0], "float16") == 0) return linear<half>(params, shapes, dynamic, gated);
   return linear<float>(params, shapes, dynamic, gated);
 }
 
-// ---- MoE experts, dynamic per-token W8A8 -----------------------------------------------------------
+// ---- MoE experts, dynamic per-token W8A8 --------------------------------------------------------
 // The token copies are grouped by expert (as csrc/moe.cc does); per expert: the tokens' int8 rows
 // (quantized once per token) through gate|up, dequantized, silu(gate) * up, quantized per row,
 // through down, dequantized, weighted; the copies of each token summed in k order.
