@@ -149,7 +149,7 @@ class LlamaDecoderLayer(nn.Cell):
         attn = self.self_attn
         if not envs.VLLM_MS_CPU_LAYER_KERNEL or not isinstance(attn, LlamaAttention):
             return
-        layer_mlp = getattr(self.mlp, "layer_mlp", lambda: None)()
+        layer_mlp = self.mlp.layer_mlp()
         if (layer_mlp is None or attn.qkv_proj.packed is None or attn.o_proj.packed is None
                 or attn.o_proj.bias is not None or tp_rank_and_size()[1] > 1):
             return

@@ -35,6 +35,11 @@ class RoutedExperts(nn.Cell):
         self.dispatch.stack_experts(self.experts, f"{prefix}.dispatch")
         self.experts = None
 
+    def layer_mlp(self) -> LayerMLP | None:
+        """How the decoder layers' operator runs this MLP: not at all, unless a model's router
+        is one the operator runs (Qwen3-MoE's softmax top-k: `layer_kernel_experts` + router)."""
+        return None
+
     def layer_kernel_experts(self) -> LayerMLP | None:
         """The routed experts as the decoder layers' operator runs them (the CPU kernel's float
         experts, all on this rank), without a router: a model's `layer_mlp` adds its own."""

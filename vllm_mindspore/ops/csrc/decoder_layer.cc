@@ -148,7 +148,6 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
   const Arg qkv = scratch(buffers->qkv, {T, N}, act);
   const Arg attn = scratch(buffers->attn, {T, heads, Dv}, matmul_rows);
   const Arg o = scratch(buffers->o, {T, E}, act);
-  const Arg gated = scratch(buffers->gated, {T, I}, matmul_rows);
   const Arg qk = present(kQkNorm) ? scratch(buffers->qk, {T, heads + kv_heads, D}, act) : qkv;
 
   // Each step as its own operator would run it; the first kernel that refuses its inputs
@@ -173,6 +172,7 @@ int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtyp
                     tokens_of(kPositions), input(kCosSin), attn}});
   steps.push_back({Linear, {Arg{attn.data, {T, heads * Dv}, matmul_rows}, input(kOProj), o}});
   if (top_k == 0) {
+    const Arg gated = scratch(buffers->gated, {T, I}, matmul_rows);
     // In place on the residual stream: the norm reads a row whole before it writes it.
     steps.push_back({AddRmsNorm, {o, residual_out, input(kPostNorm), input(kEps), normed,
                                   residual_out}});
