@@ -141,7 +141,8 @@ OFFLINE_SCRIPT = """
 import sys
 from vllm import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], max_model_len=64, max_num_seqs=2, kv_cache_memory_bytes=4 << 20)
-print("TOKENS", len(llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids))
+params = SamplingParams(max_tokens=2, ignore_eos=True)  # random sampling may pick EOS first
+print("TOKENS", len(llm.generate(["Hello"], params)[0].outputs[0].token_ids))
 """
 
 
