@@ -17,7 +17,7 @@ from ms_cells import OpCell, call_aot
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.host import parameter
 from vllm_mindspore.ops.linear import pack_panels, packed_dtype, packed_matmul, packing_bfloat16
-from vllm_mindspore.ops.moe import MoEDispatch, SoftmaxTopK
+from vllm_mindspore.ops.moe import GroupedTopK, MoEDispatch, SoftmaxTopK
 from vllm_mindspore.ops.quant_reference import to_dtype
 from vllm_mindspore.platform import cpu_has_amx, cpu_has_bfloat16_dot
 
@@ -212,6 +212,62 @@ def test_softmax_top_k_routing(dtype, renormalize):
     routing.kernel = None  # MindSpore's ops
     ms_weights, ms_ids = (out.asnumpy() for out in routing(ms.Tensor(logits)))
     distinct = np.array([len(np.unique(row)) == experts for row in logits])
+    assert distinct.sum() > 0.9 * tokens
+    np.testing.assert_array_equal(ids[distinct], ms_ids[distinct])
+    np.testing.assert_allclose(weights[distinct], ms_weights[distinct], rtol=2e-6, atol=1e-7)
+
+
+def grouped_top_k_reference(logits, bias, top_k, groups, kept, top_n, masked, renormalize,
+                            scale):
+    """DeepSeek-V3's routing as HF writes it, in numpy (float32 scores, stable sorts: of equal
+    scores the lower id first)."""
+    tokens, experts = logits.shape
+    scores = (1 / (1 + np.exp(-logits))).astype(np.float32)
+    choice = scores + bias
+    best_n = -np.sort(-choice.reshape(tokens, groups, experts // groups), axis=-1)[..., :top_n]
+    kept_groups = np.argsort(-best_n.sum(-1), axis=-1, kind="stable")[:, :kept]
+    mask = np.zeros((tokens, groups), bool)
+    np.put_along_axis(mask, kept_groups, True, -1)
+    choice = np.where(np.repeat(mask, experts // groups, -1), choice, np.float32(masked))
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(scores, ids, -1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * np.float32(scale), ids
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_top_k_routing(renormalize):
+    """DeepSeek-V3's routing kernel against numpy (ties included: of equal scores the lower id,
+    of equal groups the lower group) and against MindSpore's ops (the op's Ascend path) where no
+    two scores tie. The bias steers the choice, not the weights."""
+    g = np.random.default_rng(1)
+    tokens, experts, groups, kept, top_k, scale = 300, 64, 8, 3, 6, 2.5
+    logits = (g.standard_normal((tokens, experts)) * 2).astype(np.float32)
+    bias = (g.standard_normal(experts) * 0.05).astype(np.float32)
+    bias[5] = 3.0  # lifts expert 5 and its group (0) over every other
+    logits[1, 0:8] = -9.0
+    routing = GroupedTopK(top_k, groups, kept, 2, -1e30, renormalize, scale)
+    bias_tensor = ms.Tensor(bias)
+    weights, ids = (out.asnumpy() for out in routing(ms.Tensor(logits), bias_tensor))
+
+    expected, expected_ids = grouped_top_k_reference(logits, bias, top_k, groups, kept, 2,
+                                                     -1e30, renormalize, scale)
+    assert ids.dtype == np.int32 and weights.dtype == np.float32
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_allclose(weights, expected, rtol=2e-6, atol=1e-7)
+    assert ids[1, 0] == 5 and weights[1, 0] < weights[1, 1]  # chosen first, weighed unbiased
+    # Every score equal (no bias), so every group too: the lower groups, then the lower ids.
+    equal = ms.Tensor(np.full((2, experts), 0.5, np.float32))
+    tie_weights, tie_ids = (out.asnumpy() for out in routing(
+        equal, ms.Tensor(np.zeros(experts, np.float32))))
+    assert [list(row) for row in tie_ids] == [list(range(top_k))] * 2
+    np.testing.assert_allclose(tie_weights, scale * (1 / top_k if renormalize else
+                                                     1 / (1 + np.exp(-0.5))), rtol=1e-6)
+
+    routing.kernel = None  # MindSpore's ops
+    ms_weights, ms_ids = (out.asnumpy() for out in routing(ms.Tensor(logits), bias_tensor))
+    distinct = np.array([len(np.unique(row + bias)) == experts for row in logits])
     assert distinct.sum() > 0.9 * tokens
     np.testing.assert_array_equal(ids[distinct], ms_ids[distinct])
     np.testing.assert_allclose(weights[distinct], ms_weights[distinct], rtol=2e-6, atol=1e-7)

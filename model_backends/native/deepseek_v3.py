@@ -15,14 +15,16 @@ import mindspore as ms
 from mindspore import mint, nn, ops
 
 from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Linear,
-                                          RowParallelLinear, tp_rank_and_size)
+                                          RowParallelLinear, packed_weight, tp_rank_and_size)
 from model_backends.native.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from model_backends.native.moe import RoutedExperts
 from model_backends.native.weights import is_mtp_tensor
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.host import zeros_parameter
+from vllm_mindspore.ops.linear import packed_matmul
 from vllm_mindspore.ops.mla import MLAAttention
-from vllm_mindspore.ops.moe import group_limited_topk
+from vllm_mindspore.ops.moe import GroupedTopK
+from vllm_mindspore.platform import ASCEND, kernel_device
 
 # HF's DeepseekV3RMSNorm default: q_a_layernorm / kv_a_layernorm are built without the config eps.
 _LORA_NORM_EPS = 1e-6
@@ -128,32 +130,37 @@ class DeepseekV3TopkRouter(nn.Cell):
 
     Sigmoid scores; `e_score_correction_bias` only steers the choice: groups ranked by the sum
     of their top-2 biased scores, the best `topk_group` groups kept, top-k experts inside them;
-    the weights are the un-biased scores (renormalised if norm_topk_prob) * routed_scaling_factor.
+    the weights are the un-biased scores (renormalised if norm_topk_prob) * routed_scaling_factor
+    (`GroupedTopK`). The logits are float32 whatever the model's dtype, as in HF.
     """
 
     def __init__(self, config, dtype):
         super().__init__()
         self.num_experts = config.n_routed_experts
-        self.top_k = config.num_experts_per_tok
-        self.num_groups = config.n_group or 1
-        self.topk_group = config.topk_group or 1
-        self.norm_topk_prob = bool(config.norm_topk_prob)
-        self.routed_scaling_factor = float(config.routed_scaling_factor)
         self.weight = zeros_parameter((self.num_experts, config.hidden_size), dtype)
         # float32 in the checkpoints (HF keeps it in float32 whatever the model dtype).
         self.e_score_correction_bias = zeros_parameter((self.num_experts,), ms.float32)
         self.matmul = ops.MatMul(transpose_b=True)
+        self.packed = None  # CPU: the kernel over the packed weight
+        self.routing = GroupedTopK(config.num_experts_per_tok, config.n_group or 1,
+                                   config.topk_group or 1, 2, -1e30, bool(config.norm_topk_prob),
+                                   float(config.routed_scaling_factor))
+
+    def use_compute_layout(self, prefix: str) -> None:
+        """CPU: the weight packed in float32 for the matmul kernel."""
+        if kernel_device() == ASCEND or self.packed is not None:
+            return
+        self.packed = packed_matmul(self.num_experts)
+        self.weight = packed_weight(self.weight, ms.float32, prefix)
 
     def construct(self, hidden):
-        logits = self.matmul(hidden.astype(ms.float32), self.weight.astype(ms.float32))
-        scores = ops.sigmoid(logits)  # [T, E]
-        # Groups ranked by their top-2 biased scores; the other groups' experts never chosen.
-        topk_ids = group_limited_topk(scores + self.e_score_correction_bias, self.top_k,
-                                      self.num_groups, self.topk_group, 2, -1e30)
-        weights = ops.gather_elements(scores, 1, topk_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return weights * self.routed_scaling_factor, topk_ids
+        if hidden.dtype != ms.float32:
+            hidden = hidden.astype(ms.float32)
+        if self.packed is not None:
+            logits = self.packed(hidden, self.weight)
+        else:
+            logits = self.matmul(hidden, self.weight.astype(ms.float32))
+        return self.routing(logits, self.e_score_correction_bias)
 
 
 class DeepseekV3MoE(RoutedExperts):

@@ -1,8 +1,8 @@
 """Mixture-of-experts dispatch: each token's hidden state through its top-k experts, weighted.
 
 Routing (softmax top-k, DeepSeek's grouped sigmoid top-k, ...) belongs to the model; this op
-takes its result. Softmax top-k routing is an op of its own (`SoftmaxTopK`), one C++ operator on
-CPU. The experts are loaded as one Cell each, named like the checkpoint
+takes its result. Softmax top-k routing (`SoftmaxTopK`) and DeepSeek-V3's grouped sigmoid routing
+(`GroupedTopK`) are ops of their own, one C++ operator each on CPU. The experts are loaded as one Cell each, named like the checkpoint
 (`experts.E.gate_proj.weight`); after loading, `stack_experts` turns them into two stacked
 weights, gate|up and down, and drops the per-expert cells:
 
@@ -84,6 +84,42 @@ class SoftmaxTopK(nn.Cell):
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdims=True)
         return weights, expert_ids.astype(ms.int32)
+
+
+class GroupedTopK(nn.Cell):
+    """(logits [T, E] float32, bias [E] float32) -> (weights [T, K] float32, expert ids [T, K]
+    int32): DeepSeek-V3's routing. Sigmoid scores; the bias only steers the choice: the experts'
+    groups ranked as `group_limited_topk` ranks them (HF and vLLM: their best 2, masked -inf),
+    the top-k biased scores of the kept groups' experts (best first; of equal ones the lower id
+    first); the weights are the chosen experts' unbiased scores, divided by their sum (+1e-20)
+    when `renormalize`, times `scale`. CPU: one C++ operator (`csrc/moe.cc`); Ascend: MindSpore's
+    ops."""
+
+    def __init__(self, top_k: int, num_groups: int, topk_group: int, group_top_n: int,
+                 masked_value: float, renormalize: bool, scale: float):
+        super().__init__()
+        self.top_k = top_k
+        self.grouping = (num_groups, topk_group, group_top_n, masked_value)
+        self.renormalize = renormalize
+        self.scale = scale
+        self.kernel = None
+        if kernel_device() != ASCEND:
+            self.kernel = kernels.custom_op(
+                "GroupedTopK", lambda logits, *_: ((logits[0], top_k), (logits[0], top_k)),
+                lambda *_: (ms.float32, ms.int32))
+            self.config = ms.Tensor([num_groups, topk_group, group_top_n, int(renormalize)],
+                                    ms.int32)
+            self.factors = ms.Tensor([masked_value, scale], ms.float32)
+
+    def construct(self, logits, bias):
+        if self.kernel is not None:
+            return self.kernel(logits, bias, self.config, self.factors)
+        scores = ops.sigmoid(logits)
+        expert_ids = group_limited_topk(scores + bias, self.top_k, *self.grouping)
+        weights = ops.gather_elements(scores, 1, expert_ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * self.scale, expert_ids
 
 
 class MoEDispatch(nn.Cell):

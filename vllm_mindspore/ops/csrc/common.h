@@ -20,6 +20,13 @@
 
 namespace vllm_ms {
 
+// The number of elements of a kernel input of `ndims` dimensions (an absent optional one: 0).
+inline int64_t elements(int ndims, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndims; ++i) n *= shape[i];
+  return n;
+}
+
 // Memory whose first byte starts a cache line, for the kernels' buffers: an AMX tile's rows and
 // a zmm's loads and stores are 64 bytes, and where a buffer starts 16 bytes into a line (glibc's
 // malloc) each of them touches two lines. The decoder layer's intermediates in such buffers made

@@ -26,6 +26,7 @@ int RotaryPagedAttentionNeox(int, void **, int *, int64_t **, const char **, voi
 
 namespace {
 
+using vllm_ms::elements;
 using Kernel = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
 
 // One layer's inputs to decoder_layer (DecoderLayers gathers them from its own); an optional one
@@ -79,12 +80,6 @@ int call(Kernel kernel, const std::vector<Arg> &args) {
   for (auto &shape : shape_storage) shapes.push_back(shape.data());
   return kernel(static_cast<int>(args.size()), params.data(), ndims.data(), shapes.data(),
                 dtypes.data(), nullptr, nullptr);
-}
-
-int64_t elements(int ndims, const int64_t *shape) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims; ++i) n *= shape[i];
-  return n;
 }
 
 int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtypes) {
