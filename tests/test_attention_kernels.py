@@ -214,3 +214,80 @@ def test_paged_attention_matches_numpy(layer, dtype, cache_kernel, tolerance):
             np.testing.assert_allclose(out[new], expected, atol=tolerance, rtol=tolerance,
                                        err_msg=f"request {r}")
             start += n
+
+
+class DeepseekAttentionStep(nn.Cell):
+    """A DeepSeek-V3 attention layer (model_backends/native/deepseek_v3.py) on a step's hidden
+    rows, with its own latent cache."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.attention = attention
+
+    def construct(self, positions, hidden, *metadata):
+        return self.attention(positions, hidden, metadata, False)
+
+
+def deepseek_attention(q_lora_rank, cache_dtype, absorbed_kernel: bool, monkeypatch):
+    """The layer with seeded weights, loaded as the model loads it; `absorbed_kernel`: its
+    attention after the projections in one operator (MLAAbsorbedAttention) or in MindSpore's."""
+    from types import SimpleNamespace
+
+    from model_backends.native.deepseek_v3 import DeepseekV3Attention
+    from model_backends.native.weights import process_weights_after_loading
+
+    config = SimpleNamespace(
+        hidden_size=64, num_attention_heads=HEADS, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, attention_bias=False,
+        max_position_embeddings=MAX_POSITION, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 16,
+                         "rope_theta": 10000.0})
+    monkeypatch.setenv("VLLM_MS_CPU_LAYER_KERNEL", "1" if absorbed_kernel else "0")
+    with set_current_vllm_config(VllmConfig()):  # vLLM's get_rope reads it
+        attention = DeepseekV3Attention(config, BLOCK_SIZE, ms.float32)
+    g = np.random.default_rng(3)
+    for name, param in attention.parameters_and_names():
+        shape = param.shape
+        values = (1 + 0.1 * g.standard_normal(shape) if "layernorm" in name
+                  else g.standard_normal(shape) / np.sqrt(shape[-1]))
+        param.set_data(ms.Tensor(values.astype(np.float32)))
+    process_weights_after_loading(attention)
+    assert (attention.attn.absorbed_kernel is not None) == absorbed_kernel
+    attention.allocate_kv_cache(NUM_BLOCKS, MS_DTYPES[cache_dtype], "layer")
+    return DeepseekAttentionStep(attention)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q-lora", "q-proj"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_mla_absorbed_kernel_matches_separate_operators(q_lora_rank, cache_dtype, monkeypatch):
+    """DeepSeek-V3's attention with the latent's norm and rope, the query's absorption and rope,
+    the attention and the output's absorption in one operator equals the same layer with those
+    parts as MindSpore's operators and the MLA kernel: the outputs of the step's tokens over
+    prefill chunks and decodes (padding rows after them: zeros) and the latent cache."""
+    steps = [deepseek_attention(q_lora_rank, cache_dtype, absorbed, monkeypatch)
+             for absorbed in (True, False)]
+    g = np.random.default_rng(0)
+    block_tables = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 0], [0, 0, 0]], np.int32)
+    computed = {0: 0, 1: 0, 2: 0}
+    for new_tokens in ({0: 21, 1: 3}, {0: 1, 1: 1, 2: 9}, {0: 1}, {1: 10, 2: 12}):
+        requests = sorted(new_tokens)
+        num_scheduled = np.array([new_tokens[r] for r in requests])
+        num_computed = np.array([computed[r] for r in requests])
+        total, padded = int(num_scheduled.sum()), int(num_scheduled.sum()) + 3
+        positions = np.zeros(padded, np.int32)
+        positions[:total] = np.concatenate([np.arange(c, c + n) for c, n in
+                                            zip(num_computed, num_scheduled)])
+        step_tables = block_tables[requests + sorted(set(range(len(block_tables))) -
+                                                     set(requests))]
+        metadata = AttentionMetadata.build(num_scheduled, num_computed, positions[:total],
+                                           step_tables, BLOCK_SIZE, padded).tensors()
+        hidden = ms.Tensor(g.standard_normal((padded, 64)).astype(np.float32))
+        fused, separate = (to_host(step(ms.Tensor(positions), hidden, *metadata))
+                           for step in steps)
+        np.testing.assert_allclose(fused[:total], separate[:total], rtol=2e-5, atol=2e-5)
+        assert not fused[total:].any()
+        for r, n in new_tokens.items():
+            computed[r] += n
+    caches = [to_host(step.attention.kv_cache).astype(np.float32) for step in steps]
+    np.testing.assert_allclose(caches[0], caches[1], rtol=2e-5, atol=2e-5)

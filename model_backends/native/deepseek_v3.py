@@ -19,6 +19,7 @@ from model_backends.native.layers import (ColumnParallelLinear, ExpertShard, Lin
 from model_backends.native.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from model_backends.native.moe import RoutedExperts
 from model_backends.native.weights import is_mtp_tensor
+from vllm_mindspore import envs
 from vllm_mindspore.ops import RMSNorm, RotaryEmbedding
 from vllm_mindspore.ops.host import zeros_parameter
 from vllm_mindspore.ops.linear import packed_matmul
@@ -105,10 +106,13 @@ class DeepseekV3Attention(nn.Cell):
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        kv_a = self.kv_a_proj_with_mqa(hidden)
+        if self.attn.absorbed_kernel is not None:
+            return self.o_proj(self.attn.absorbed(q, kv_a, self.kv_cache, positions,
+                                                  *attn_metadata))
         q = q.reshape(num_tokens, self.num_heads, self.qk_head_dim)
         q_nope = q[..., :self.qk_nope_head_dim]
         q_pe = q[..., self.qk_nope_head_dim:]
-        kv_a = self.kv_a_proj_with_mqa(hidden)
         latent = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank])
         k_pe = kv_a[:, self.kv_lora_rank:].reshape(num_tokens, 1, self.qk_rope_head_dim)
         # q_pe and k_pe rotated in one call, stacked along heads.
@@ -123,6 +127,11 @@ class DeepseekV3Attention(nn.Cell):
         """kv_b_proj only ever runs absorbed into q and o: split it once, then drop it."""
         self.attn.absorb_kv_b(self.kv_b_proj.weight, f"{prefix}.attn")
         self.kv_b_proj = None
+
+    def use_compute_layout(self, prefix: str) -> None:
+        """CPU, float32 activations: the attention after the projections in one operator."""
+        if envs.VLLM_MS_CPU_LAYER_KERNEL:
+            self.attn.use_absorbed_kernel(self.kv_a_layernorm, self.rotary_emb, f"{prefix}.attn")
 
 
 class DeepseekV3TopkRouter(nn.Cell):

@@ -10,7 +10,9 @@ absorption
 
 is multi-query attention of [q_nope W_UK, q_pe] against the cached latent rows, with the first
 kv_lora_rank channels of the same rows as values. On CPU every token (prefill chunk or decode)
-takes this path through one C++ operator (`csrc/paged_attention.cc`, MLA entry). On Ascend, steps
+takes this path through one C++ operator (`csrc/paged_attention.cc`, MLA entry); with float32
+activations the latent's norm and rope, the query's absorption and rope before it and the
+output's absorption after it are the same operator (`use_absorbed_kernel`). On Ascend, steps
 with cached context take it through PagedAttention's MLA mode; a step of first prefills only
 expands the new latents into per-head keys and values and runs FlashAttentionScore, as
 MindSpore's own inference stack does. W_UK and W_UV are split out of `kv_b_proj.weight` once,
@@ -18,11 +20,15 @@ after loading (`absorb_kv_b`).
 """
 
 import mindspore as ms
+import numpy as np
 from mindspore import mint, nn, ops
 
 from vllm_mindspore.ops import kernels
 from vllm_mindspore.ops.attention import causal_mask_rows, prefill_mask
 from vllm_mindspore.ops.host import parameter, to_host
+from vllm_mindspore.ops.linear import pack_panels
+from vllm_mindspore.ops.norm import RMSNorm
+from vllm_mindspore.ops.rotary import RotaryEmbedding
 from vllm_mindspore.platform import ASCEND, kernel_device
 
 
@@ -45,6 +51,7 @@ class MLAAttention(nn.Cell):
         self.fused = kernel_device() == ASCEND
         self.w_uk = None  # [H, dn, r], from absorb_kv_b
         self.w_uv = None  # [H, dv, r]
+        self.absorbed_kernel = None  # CPU, float32: from use_absorbed_kernel
         self.bmm = ops.BatchMatMul()
         self.bmm_nt = ops.BatchMatMul(transpose_b=True)
         if self.fused:
@@ -75,6 +82,35 @@ class MLAAttention(nn.Cell):
         """Host arrays w_uk [H, dn, r] and w_uv [H, dv, r] -> the absorbed weights."""
         self.w_uk = parameter(w_uk, dtype, f"{prefix}.w_uk")
         self.w_uv = parameter(w_uv, dtype, f"{prefix}.w_uv")
+
+    def use_absorbed_kernel(self, kv_norm: RMSNorm, rotary: RotaryEmbedding,
+                            prefix: str) -> None:
+        """CPU, float32 (not float16): from now on `absorbed` computes the layer's attention from
+        its projections in one operator, W_UK and W_UV packed per head for its matmuls
+        (linear.py)."""
+        if self.fused or kv_norm.fused or self.w_uk.dtype != ms.float32:
+            return
+        w_uk, w_uv = to_host(self.w_uk), to_host(self.w_uv)
+        self.w_uk = parameter(np.stack([pack_panels(w.T, ms.float32) for w in w_uk]),
+                              ms.float32, f"{prefix}.w_uk")
+        self.w_uv = parameter(np.stack([pack_panels(w, ms.float32) for w in w_uv]),
+                              ms.float32, f"{prefix}.w_uv")
+        out_features = self.num_heads * self.v_head_dim
+        self.absorbed_kernel = kernels.custom_op(
+            "MLAAbsorbedAttention", lambda q, *_: (q[0], out_features), lambda q, *_: q)
+        self.kv_norm, self.kv_norm_eps = kv_norm.weight, kv_norm.eps_tensor
+        self.cos_sin = rotary.cos_sin
+        self.interleaved = ms.Tensor([int(not rotary.is_neox_style)], ms.int32)
+
+    def absorbed(self, q, kv_a, cache, positions, slot_mapping, block_tables,
+                 batch_valid_length, q_seq_lens):
+        """q [T, H * (dn + dr)] (q_b_proj's), kv_a [T, r + dr] (kv_a_proj_with_mqa's), the layer's
+        cache, positions and the AttentionMetadata tensors -> out [T, H * dv]: the same as
+        `construct` after the latent's norm and both ropes (`use_absorbed_kernel`)."""
+        return self.absorbed_kernel(q, kv_a, self.kv_norm, self.kv_norm_eps, positions,
+                                    self.cos_sin, self.w_uk, self.w_uv, cache, slot_mapping,
+                                    block_tables, batch_valid_length, q_seq_lens,
+                                    self.scale_tensor, self.interleaved)
 
     def construct(self, q_nope, q_pe, latent, cache, positions, slot_mapping, block_tables,
                   batch_valid_length, q_seq_lens, prefill_only: bool = False):

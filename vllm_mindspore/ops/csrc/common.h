@@ -20,6 +20,33 @@
 
 namespace vllm_ms {
 
+// A kernel's entry point, as MindSpore calls it; kernels that compose others call them through it.
+using Kernel = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
+
+// One argument of a kernel call: data, shape, dtype.
+struct Arg {
+  void *data;
+  std::vector<int64_t> shape;
+  const char *dtype;
+};
+
+inline int call(Kernel kernel, const std::vector<Arg> &args) {
+  std::vector<void *> params;
+  std::vector<int> ndims;
+  std::vector<std::vector<int64_t>> shape_storage;
+  std::vector<int64_t *> shapes;
+  std::vector<const char *> dtypes;
+  for (const Arg &arg : args) {
+    params.push_back(arg.data);
+    ndims.push_back(static_cast<int>(arg.shape.size()));
+    shape_storage.push_back(arg.shape);
+    dtypes.push_back(arg.dtype);
+  }
+  for (auto &shape : shape_storage) shapes.push_back(shape.data());
+  return kernel(static_cast<int>(args.size()), params.data(), ndims.data(), shapes.data(),
+                dtypes.data(), nullptr, nullptr);
+}
+
 // The number of elements of a kernel input of `ndims` dimensions (an absent optional one: 0).
 inline int64_t elements(int ndims, const int64_t *shape) {
   int64_t n = 1;

@@ -26,8 +26,10 @@ int RotaryPagedAttentionNeox(int, void **, int *, int64_t **, const char **, voi
 
 namespace {
 
+using vllm_ms::Arg;
+using vllm_ms::call;
 using vllm_ms::elements;
-using Kernel = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
+using vllm_ms::Kernel;
 
 // One layer's inputs to decoder_layer (DecoderLayers gathers them from its own); an optional one
 // (residual, qkv_bias, qk_norm, router) is absent when empty.
@@ -57,30 +59,6 @@ enum Input {
                  // intermediate size), K (experts a token; 0: a dense MLP), renormalize (0 / 1)
   kInputs
 };
-
-// One argument of a kernel call: data, shape, dtype.
-struct Arg {
-  void *data;
-  std::vector<int64_t> shape;
-  const char *dtype;
-};
-
-int call(Kernel kernel, const std::vector<Arg> &args) {
-  std::vector<void *> params;
-  std::vector<int> ndims;
-  std::vector<std::vector<int64_t>> shape_storage;
-  std::vector<int64_t *> shapes;
-  std::vector<const char *> dtypes;
-  for (const Arg &arg : args) {
-    params.push_back(arg.data);
-    ndims.push_back(static_cast<int>(arg.shape.size()));
-    shape_storage.push_back(arg.shape);
-    dtypes.push_back(arg.dtype);
-  }
-  for (auto &shape : shape_storage) shapes.push_back(shape.data());
-  return kernel(static_cast<int>(args.size()), params.data(), ndims.data(), shapes.data(),
-                dtypes.data(), nullptr, nullptr);
-}
 
 int decoder_layer(void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   auto input = [&](int i) {

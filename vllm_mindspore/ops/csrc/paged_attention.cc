@@ -35,6 +35,8 @@
 #include "common.h"
 #include "gemm.h"  // AMX: amx_wanted, amx_available, TileState
 
+extern "C" int RmsNorm(int, void **, int *, int64_t **, const char **, void *, void *);
+
 namespace {
 
 using namespace vllm_ms;
@@ -701,6 +703,42 @@ int64_t row_stride(int ndims, const int64_t *shape) {
   return stride;
 }
 
+// MLAAbsorbedAttention's inputs, in its order.
+enum AbsorbedInput {
+  kQ,            // [T, H * (dn + dr)]: each head's q_nope, then its q_pe (not yet rotated)
+  kKvA,          // [T, r + dr]: the latent c (not yet normalised), then k_pe (not yet rotated)
+  kKvNorm,       // [r]: kv_a_layernorm's weight
+  kEps,          // [1] float32
+  kPositions,    // [T] int32
+  kCosSin,       // [max_position, dr] float32
+  kWUk,          // [H, ceil(r / 32), dn, 32]: each head's W_UK^T packed (linear.py), r outputs
+  kWUv,          // [H, ceil(dv / 32), r, 32]: each head's W_UV packed, dv outputs
+  kCache,        // [NB, r + dr, bs] (the MLA layout above)
+  kSlots,        // the step's metadata, as MLAPagedAttention's
+  kBlockTables,
+  kSeqLens,
+  kQLens,
+  kScale,
+  kInterleaved,  // [1] int32: 1: the rotary pairs are interleaved (GPT-J), 0: neox halves
+  kAbsorbedInputs
+};
+
+// For every head h: y's n columns from h * y_head (row stride ldy) = x's k columns from h * x_head
+// (row stride ldx) . the head's packed weight; the heads on the threads, a head's rows on one.
+void per_head_matmul(const float *x, int64_t ldx, int64_t x_head, int64_t T, int64_t heads,
+                     int64_t k, const float *packed, int64_t n, float *y, int64_t ldy,
+                     int64_t y_head) {
+  const int64_t head_floats = (n + kPanel - 1) / kPanel * k * kPanel;
+  parallel_for(heads, [&](int64_t h) {
+    thread_local Buffer<float> rows;
+    rows.resize(T * k);
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(rows.data() + t * k, x + t * ldx + h * x_head, k * sizeof(float));
+    matmul(rows.data(), T, k, packed + h * head_floats, static_cast<const float *>(nullptr), n,
+           y + h * y_head, ldy, false);
+  }, heads > 1 && T * k * n >= 4096);
+}
+
 // PagedAttention and RotaryPagedAttention*: params[0..8] as below, params[nparam - 1] the output.
 int paged_attention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                     Rotary rotary) {
@@ -790,6 +828,81 @@ int MLAPagedAttention(int nparam, void **params, int *ndims, int64_t **shapes,
                static_cast<C *>(nullptr), i32(3), i32(4), i32(5), i32(6),
                static_cast<T *>(params[8]));
   });
+}
+
+// One MLA layer's attention after its projections, float32 activations: the latent c
+// normalised (kv_a_layernorm) and k_pe rotated into this step's latent rows [T, r + dr]; each
+// head's query [q_nope W_UK, rotated q_pe]; MLAPagedAttention over them (the latent rows written
+// to the cache); each head's output (sum of p c) W_UV^T. MindSpore spent ~20 operators of a graph
+// on these steps (slices, concatenations, transposes, two batched matmuls, the norm and rope).
+// The step's tokens (q_lens' sum) are computed, padding rows after them get zeros.
+// Inputs: AbsorbedInput's order -> out [T, H * dv].
+int MLAAbsorbedAttention(int nparam, void **params, int *ndims, int64_t **shapes,
+                         const char **dtypes, void *, void *) {
+  if (nparam != kAbsorbedInputs + 1 || ndims[kQ] != 2 || ndims[kKvA] != 2 ||
+      ndims[kWUk] != 4 || ndims[kWUv] != 4 || ndims[kCache] != 3 || ndims[kCosSin] != 2 ||
+      ndims[kAbsorbedInputs] != 2)
+    return 1;
+  for (int i : {kQ, kKvA, kKvNorm, kWUk, kWUv, kAbsorbedInputs})
+    if (std::strcmp(dtypes[i], "float32") != 0) return 1;
+  const int64_t padded = shapes[kQ][0], heads = shapes[kWUk][0], r = shapes[kKvNorm][0];
+  const int64_t dr = shapes[kCosSin][1], L = r + dr, dn = shapes[kWUk][2];
+  const int64_t dv = shapes[kAbsorbedInputs][1] / heads;
+  if (shapes[kKvA][1] != L || shapes[kCache][1] != L || shapes[kQ][1] != heads * (dn + dr) ||
+      shapes[kWUk][1] * kPanel < r || shapes[kWUv][0] != heads || shapes[kWUv][2] != r ||
+      shapes[kWUv][1] * kPanel < dv || shapes[kAbsorbedInputs][1] != heads * dv || dr % 2)
+    return 1;
+  const int32_t *q_lens = static_cast<const int32_t *>(params[kQLens]);
+  int64_t T = 0;
+  for (int64_t row = 0; row < shapes[kQLens][0]; ++row) T += std::max(q_lens[row], 0);
+  if (T > padded) return 1;
+  const float *q = static_cast<const float *>(params[kQ]);
+  const float *kv_a = static_cast<const float *>(params[kKvA]);
+  float *out = static_cast<float *>(params[kAbsorbedInputs]);
+  std::memset(out + T * heads * dv, 0, (padded - T) * heads * dv * sizeof(float));
+  const Rotary rotary{static_cast<const int32_t *>(params[kPositions]),
+                      static_cast<const float *>(params[kCosSin]), dr, shapes[kCosSin][0],
+                      *static_cast<const int32_t *>(params[kInterleaved]) == 0};
+  struct Intermediates {
+    Buffer<float> normed, latent, query, attended;
+  };
+  const Scratch<Intermediates> buffers;
+  buffers->normed.resize(T * r);
+  buffers->latent.resize(T * L);
+  buffers->query.resize(T * heads * L);
+  buffers->attended.resize(T * heads * r);
+  float *latent = buffers->latent.data(), *query = buffers->query.data();
+  if (const int status = call(RmsNorm, {{const_cast<float *>(kv_a), {T, L}, "float32"},
+                                        {params[kKvNorm], {r}, "float32"},
+                                        {params[kEps], {1}, "float32"},
+                                        {buffers->normed.data(), {T, r}, "float32"}}))
+    return status;
+  parallel_for(T, [&](int64_t t) {
+    std::memcpy(latent + t * L, buffers->normed.data() + t * r, r * sizeof(float));
+    rotary.apply(kv_a + t * L + r, latent + t * L + r, t);
+    for (int64_t h = 0; h < heads; ++h)
+      rotary.apply(q + (t * heads + h) * (dn + dr) + dn, query + (t * heads + h) * L + r, t);
+  }, T * heads * dr >= kParallelElements);
+  per_head_matmul(q, heads * (dn + dr), dn + dr, T, heads, dn,
+                  static_cast<const float *>(params[kWUk]), r, query, heads * L, L);
+  const Shape s{T, heads, 1, L, r, shapes[kCache][2], shapes[kBlockTables][0],
+                shapes[kBlockTables][1], heads * L, L, 0, true,
+                *static_cast<const float *>(params[kScale])};
+  auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
+  const int status = with_dtypes(dtypes[kQ], dtypes[kCache], [&](auto t, auto c) {
+    using C = decltype(c);
+    if constexpr (!std::is_same_v<decltype(t), float>) {
+      return 1;
+    } else {
+      return run(s, query, latent, static_cast<float *>(nullptr), static_cast<C *>(params[kCache]),
+                 static_cast<C *>(nullptr), i32(kSlots), i32(kBlockTables), i32(kSeqLens),
+                 i32(kQLens), buffers->attended.data());
+    }
+  });
+  if (status) return status;
+  per_head_matmul(buffers->attended.data(), heads * r, r, T, heads, r,
+                  static_cast<const float *>(params[kWUv]), dv, out, heads * dv, dv);
+  return 0;
 }
 
 }  // extern "C"
