@@ -86,8 +86,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[..., Any], str]] = {
         "CPU: 1 (default) runs the decoder layers of the Llama-family models (Llama, Qwen2, "
         "Qwen3, and Qwen3-MoE with its router and experts) as one operator where it can (float "
         "weights, one tensor-parallel and expert-parallel rank; each run of consecutive such "
-        "layers one operator); 0 runs their parts as separate operators (the same kernels, for "
-        "comparison).",
+        "layers one operator), and DeepSeek-V3's attention after its projections (the latent's "
+        "norm, both ropes, the absorbed matmuls and the MLA attention; float32 activations) as "
+        "one operator; 0 runs their parts as separate operators (the same kernels for the "
+        "Llama family, bit-identical; MindSpore's for DeepSeek's, for comparison).",
     ),
     "VLLM_MS_CPU_TCMALLOC": (
         _flag("VLLM_MS_CPU_TCMALLOC", "1"),
