@@ -889,16 +889,17 @@ int MLAAbsorbedAttention(int nparam, void **params, int *ndims, int64_t **shapes
                 shapes[kBlockTables][1], heads * L, L, 0, true,
                 *static_cast<const float *>(params[kScale])};
   auto i32 = [&](int i) { return static_cast<const int32_t *>(params[i]); };
-  const int status = with_dtypes(dtypes[kQ], dtypes[kCache], [&](auto t, auto c) {
-    using C = decltype(c);
-    if constexpr (!std::is_same_v<decltype(t), float>) {
-      return 1;
-    } else {
-      return run(s, query, latent, static_cast<float *>(nullptr), static_cast<C *>(params[kCache]),
-                 static_cast<C *>(nullptr), i32(kSlots), i32(kBlockTables), i32(kSeqLens),
-                 i32(kQLens), buffers->attended.data());
-    }
-  });
+  auto attend = [&](auto *cache) {
+    return run(s, query, latent, static_cast<float *>(nullptr), cache, decltype(cache){nullptr},
+               i32(kSlots), i32(kBlockTables), i32(kSeqLens), i32(kQLens),
+               buffers->attended.data());
+  };
+  // A float32 or bfloat16 cache (float32 activations: float16 ones take the separate operators).
+  int status = 1;
+  if (std::strcmp(dtypes[kCache], "float32") == 0)
+    status = attend(static_cast<float *>(params[kCache]));
+  else if (std::strcmp(dtypes[kCache], "bfloat16") == 0)
+    status = attend(static_cast<bf16 *>(params[kCache]));
   if (status) return status;
   per_head_matmul(buffers->attended.data(), heads * r, r, T, heads, r,
                   static_cast<const float *>(params[kWUv]), dv, out, heads * dv, dv);
