@@ -73,7 +73,8 @@ def packed_weight(weight: np.ndarray, weight_dtype: str, name: str) -> ms.Parame
 @pytest.mark.parametrize("weight_kernel", WEIGHT_DTYPES, indirect=True)
 # K = 600: AMX takes 18 tile steps and a tail of 24 k, the other kernels two passes of kDepth
 # (512 k), over the blocks of a chunk (64 rows: two 32-row blocks) and several chunks (300 rows,
-# AMX 1100: three chunks, each thread its own panels, a last block past the rows). On AVX2 blocks
+# AMX 1100: three chunks, a last block past the rows); each thread its own range of the panels
+# (70 outputs: 3 panels, two ranges of unequal length). On AVX2 blocks
 # are 6 rows (8, 9: end in blocks of 2 and 3; a panel in two halves from 3 rows on), on AVX-512 up
 # to 14 rows (9: one block; 15: 14 + 1; 64: 4 x 14 + 8).
 @pytest.mark.parametrize("rows, in_features", [(1, 37), (4, 600), (8, 37), (9, 37), (15, 37),
