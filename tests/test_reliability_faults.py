@@ -40,8 +40,9 @@ def model(tiny_model_factory, tmp_path):
     return folder
 
 
-def _stream(server, prompt: str, started: threading.Event) -> dict:
-    result = {"chunks": 0, "finish_reason": None, "error": None, "transport_error": None}
+def _stream(server, prompt: str, started: threading.Event, result: dict) -> dict:
+    """Reads one greedy stream into `result` as it goes (the test watches its progress)."""
+    result.update(chunks=0, finish_reason=None, error=None, transport_error=None, ended_at=None)
     body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
     try:
@@ -65,16 +66,31 @@ def _stream(server, prompt: str, started: threading.Event) -> dict:
     return result
 
 
+def _far_from_its_end(result: dict) -> bool:
+    return result["ended_at"] is None and result["chunks"] < MAX_TOKENS // 2
+
+
 def _fault_under_load(server, fault) -> tuple[list[dict], float]:
-    """Two greedy streams running, then `fault()`: -> (how the streams ended, fault time)."""
-    started = [threading.Event() for _ in range(2)]
-    with ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(_stream, server, PROMPTS[i], started[i]) for i in range(2)]
-        for event in started:
-            assert event.wait(120)
+    """Two greedy streams running, each far from its end, then `fault()`: -> (how the streams
+    ended, fault time). A stream that got ahead before the other's first chunk came (a client
+    thread can start late on 2 busy CPUs) is replaced, so neither can finish before the fault."""
+    streams: list[tuple] = [None, None]
+    with ThreadPoolExecutor(6) as pool:
+        for _ in range(3):
+            for i, stream in enumerate(streams):
+                if stream is None or not _far_from_its_end(stream[2]):
+                    started, result = threading.Event(), {"ended_at": None, "chunks": 0}
+                    streams[i] = (pool.submit(_stream, server, PROMPTS[i], started, result),
+                                  started, result)
+            for _, started, _ in streams:
+                assert started.wait(120)
+            if all(_far_from_its_end(result) for _, _, result in streams):
+                break
+        else:
+            pytest.fail(f"no two streams running together: {[s[2] for s in streams]}")
         fault_at = time.time()
         fault()
-        return [f.result() for f in streams], fault_at
+        return [future.result() for future, _, _ in streams], fault_at
 
 
 def _assert_stopped_with_error(server, model, results, fault_at, cause: str):
