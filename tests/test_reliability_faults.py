@@ -41,8 +41,7 @@ def model(tiny_model_factory, tmp_path):
 
 
 def _stream(server, prompt: str, started: threading.Event, result: dict) -> dict:
-    """Reads one greedy stream into `result` as it goes (the test watches its progress)."""
-    result.update(chunks=0, finish_reason=None, error=None, transport_error=None, ended_at=None)
+    """Reads one greedy stream into `result` (`_new_result`) as it goes, for the test to watch."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
     try:
@@ -66,6 +65,11 @@ def _stream(server, prompt: str, started: threading.Event, result: dict) -> dict
     return result
 
 
+def _new_result() -> dict:
+    return {"chunks": 0, "finish_reason": None, "error": None, "transport_error": None,
+            "ended_at": None}
+
+
 def _far_from_its_end(result: dict) -> bool:
     return result["ended_at"] is None and result["chunks"] < MAX_TOKENS // 2
 
@@ -79,7 +83,7 @@ def _fault_under_load(server, fault) -> tuple[list[dict], float]:
         for _ in range(3):
             for i, stream in enumerate(streams):
                 if stream is None or not _far_from_its_end(stream[2]):
-                    started, result = threading.Event(), {"ended_at": None, "chunks": 0}
+                    started, result = threading.Event(), _new_result()
                     streams[i] = (pool.submit(_stream, server, PROMPTS[i], started, result),
                                   started, result)
             for _, started, _ in streams:
